@@ -1,0 +1,1 @@
+"""Triton kernels for vertical-slash sparse attention (installed as ``mtraining_kernels``)."""

@@ -1,0 +1,29 @@
+"""lightning-mtraining: MTraining (distributed dynamic sparse attention) for PyTorch Lightning.
+
+Layers, lowest first (imports only point down):
+
+- ``mtraining_kernels`` (folder ``kernels/``): Triton vertical-slash sparse attention kernels.
+- core: :mod:`.layouts` (token layouts), :mod:`.attention_ops` (per-block attention ops),
+  :mod:`.ring` (flat and hierarchical ring attention), :mod:`.simulated` (single-process ring),
+  :mod:`.sparse` (single-device sparse attention), :mod:`.pattern` (online pattern estimation).
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+  :mod:`.data`, :mod:`.metrics`.
+
+Importing this package registers the strategy name ``"mtraining"`` with the Trainer and Fabric
+strategy registries (Lightning has no entry point for strategies).
+"""
+
+# --- core -------------------------------------------------------------------------------
+from lightning_mtraining.layouts import global_positions, shard_sequence, unshard_sequence
+from lightning_mtraining.ring import ring_attention
+
+__all__ = [
+    "global_positions",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+# --- kernels / sparse (issue 4) -----------------------------------------------------------
+
+# --- integration (issue 3) ----------------------------------------------------------------

@@ -1,0 +1,277 @@
+"""Per-block attention ops: what one ring step computes, and the log-sum-exp merge of partial results.
+
+Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, G = H // Hkv query heads share one KV
+head: query head h reads KV head h // G), Sq / Sk query / key lengths of the block, D head dim.
+
+An op computes causal attention of a block of queries against a block of keys, where causality is decided by
+*global token positions*: query i may see key j iff ``k_pos[j] <= q_pos[i]``. Positions are increasing within
+each block (true for every layout in :mod:`lightning_mtraining.layouts`), so a tile of queries either sees a tile
+of keys fully, partially (only then is a token-level mask needed) or not at all (never computed).
+
+Protocol (duck-typed; the ring and the simulated ring call only these two methods):
+
+``forward(q, k, v, q_pos, k_pos, scale) -> (out [B,H,Sq,D] in q.dtype, lse [B,H,Sq])``
+    lse is float32 (float64 for float64 inputs, so references stay float64 end to end). Rows with no visible
+    key return out 0 and lse -inf.
+``backward(q, k, v, out, lse, dout, q_pos, k_pos, scale) -> (dq, dk, dv)``
+    Flash-attention-style backward given the *final* (merged over all blocks) ``out`` and ``lse``: the returned
+    gradients are this block's contributions (float32, or float64 for float64 inputs), to be summed over blocks.
+
+Ops:
+
+- :class:`TorchBlockOp`: pure torch, chunked over queries so memory stays bounded; CPU and GPU; the reference.
+- :class:`FlexBlockOp`: FlexAttention (CUDA) with a BlockMask built from the positions at tile level (no
+  token-level ``create_block_mask``, which runs out of memory at 128K). FlexAttention has no public backward
+  that takes an external log-sum-exp, so :meth:`FlexBlockOp.backward` recomputes the block's forward and
+  back-propagates ``(w * dout, w * rowsum(dout * (out_blk - out)))`` with ``w = exp(lse_blk - lse)`` through
+  ``(out_blk, lse_blk)``; this is exactly the flash backward with the global lse (derivation in the method).
+- The Triton vertical-slash kernels (``mtraining_kernels``) provide the same protocol for sparse and dense work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+__all__ = ["BlockAttentionOp", "FlexBlockOp", "TorchBlockOp", "default_block_op", "merge_attention", "tile_classes"]
+
+
+class BlockAttentionOp(Protocol):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64 (for references), everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_attention(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block's ``(block_out, block_lse)`` into the running ``(out, lse)`` by log-sum-exp, in place.
+
+    ``out`` [B,H,S,D] and ``lse`` [B,H,S] are the float32 (or float64) accumulators; rows where both lse are -inf
+    stay (0, -inf) instead of turning into NaN.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    finite = torch.isfinite(new_lse)
+    safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
+    w_old = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(new_lse))
+    w_blk = torch.where(finite, torch.exp(block_lse - safe), torch.zeros_like(new_lse))
+    out.mul_(w_old.unsqueeze(-1)).add_(block_out.to(out.dtype) * w_blk.unsqueeze(-1))
+    lse.copy_(new_lse)
+    return out, lse
+
+
+def _check_block_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % Hkv:
+        raise ValueError(f"bad block shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q_pos.shape != (Sq,) or k_pos.shape != (Sk,):
+        raise ValueError(f"positions {tuple(q_pos.shape)}/{tuple(k_pos.shape)} do not match lengths {Sq}/{Sk}")
+    return B, H, Hkv, Sq, Sk, D
+
+
+class TorchBlockOp:
+    """Pure-torch block op, chunked over queries so that at most ``max_scores`` score elements live at once.
+
+    For each chunk of queries only the keys visible to the chunk's last query are computed (a prefix, since
+    positions increase), and the token-level mask is applied only to the keys not visible to the chunk's first
+    query: fully visible keys need no mask, fully masked keys are never touched.
+    """
+
+    def __init__(self, max_scores: int = 1 << 25) -> None:
+        if max_scores < 1:
+            raise ValueError(f"max_scores must be positive, got {max_scores}")
+        self.max_scores = max_scores
+
+    def _chunks(self, B: int, H: int, Sq: int, Sk: int, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        size = max(1, min(Sq, self.max_scores // max(1, B * H * Sk)))
+        starts = list(range(0, Sq, size))
+        ends = [min(s + size, Sq) for s in starts]
+        idx = torch.tensor(starts, device=q_pos.device)
+        last = torch.tensor(ends, device=q_pos.device) - 1
+        visible = torch.searchsorted(k_pos, q_pos[last], right=True).tolist()
+        full = torch.searchsorted(k_pos, q_pos[idx], right=True).tolist()
+        return list(zip(starts, ends, full, visible))
+
+    @staticmethod
+    def _scores(qc, k, q_pos_c, k_pos, full, visible, scale, G):
+        """Masked scores [B, Hkv, G*C, visible] of a query chunk qc [B, Hkv, G*C, D] in the accumulation dtype."""
+        s = torch.matmul(qc, k[:, :, :visible].transpose(-1, -2)) * scale
+        if full < visible:
+            C = q_pos_c.shape[0]
+            masked = k_pos[None, full:visible] > q_pos_c[:, None]  # [C, visible - full]
+            s5 = s.view(s.shape[0], s.shape[1], G, C, visible)
+            s5[..., full:visible].masked_fill_(masked, float("-inf"))
+        return s
+
+    def forward(self, q, k, v, q_pos, k_pos, scale):
+        B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
+        G = H // Hkv
+        adt = acc_dtype(q.dtype)
+        out = torch.zeros(B, H, Sq, D, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H, Sq), float("-inf"), dtype=adt, device=q.device)
+        q5 = q.view(B, Hkv, G, Sq, D)
+        kf, vf = k.to(adt), v.to(adt)
+        for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
+            if visible == 0:
+                continue
+            C = end - start
+            qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
+            s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+            blk_lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
+            safe = torch.where(torch.isfinite(blk_lse), blk_lse, torch.zeros_like(blk_lse))
+            p = torch.exp(s - safe.unsqueeze(-1))
+            o = torch.matmul(p, vf[:, :, :visible])
+            out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.view(B, Hkv, G, C, D).to(q.dtype)
+            lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = blk_lse.view(B, Hkv, G, C)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
+        B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
+        G = H // Hkv
+        adt = acc_dtype(q.dtype)
+        dq = torch.zeros(B, H, Sq, D, dtype=adt, device=q.device)
+        dk = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
+        dv = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
+        kf, vf = k.to(adt), v.to(adt)
+        delta = (dout.to(adt) * out.to(adt)).sum(-1)  # [B, H, Sq]
+        q5, do5 = q.view(B, Hkv, G, Sq, D), dout.view(B, Hkv, G, Sq, D)
+        lse4, delta4 = lse.view(B, Hkv, G, Sq), delta.view(B, Hkv, G, Sq)
+        for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
+            if visible == 0:
+                continue
+            C = end - start
+            qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
+            doc = do5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
+            lc = lse4[:, :, :, start:end].reshape(B, Hkv, G * C, 1).to(adt)
+            dc = delta4[:, :, :, start:end].reshape(B, Hkv, G * C, 1)
+            s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+            p = torch.exp(s - torch.where(torch.isfinite(lc), lc, torch.zeros_like(lc)))
+            dv[:, :, :visible] += torch.matmul(p.transpose(-1, -2), doc)
+            dp = torch.matmul(doc, vf[:, :, :visible].transpose(-1, -2))
+            ds = p * (dp - dc) * scale
+            dq.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = torch.matmul(ds, kf[:, :, :visible]).view(B, Hkv, G, C, D)
+            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qc)
+        return dq, dk, dv
+
+    def __repr__(self) -> str:
+        return f"TorchBlockOp(max_scores={self.max_scores})"
+
+
+def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: int):
+    """Classify (query tile, key tile) pairs by global positions: ``(full, partial, q_pos_padded, k_pos_padded)``.
+
+    ``full[i, j]``: every query of tile i sees every key of tile j (no mask needed); ``partial[i, j]``: some but
+    not all pairs are visible (token-level mask needed). Tiles that are neither are entirely masked and never
+    computed. Ragged last tiles are padded with positions that see nothing (queries: -1) and are never seen
+    (keys: int64 max), which makes them partial, so the token mask handles the ragged edge exactly.
+    """
+    Sq, Sk = q_pos.shape[0], k_pos.shape[0]
+    nq, nk = -(-Sq // tile_q), -(-Sk // tile_k)
+    qp = torch.full((nq * tile_q,), -1, dtype=torch.int64, device=q_pos.device)
+    kp = torch.full((nk * tile_k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=k_pos.device)
+    qp[:Sq], kp[:Sk] = q_pos, k_pos
+    qmin, qmax = qp.view(nq, tile_q).min(-1).values, qp.view(nq, tile_q).max(-1).values
+    kmin, kmax = kp.view(nk, tile_k).min(-1).values, kp.view(nk, tile_k).max(-1).values
+    full = (kmax[None, :] <= qmin[:, None]) & (qmin[:, None] >= 0)
+    partial = (kmin[None, :] <= qmax[:, None]) & ~full
+    return full, partial, qp, kp
+
+
+class FlexBlockOp:
+    """FlexAttention block op (CUDA). The BlockMask comes from tile-level position bounds, O((S/tile)^2) work."""
+
+    def __init__(self, tile: int = 128, compile: bool = True) -> None:
+        self.tile = tile
+        self.compile = compile
+        self._flex = None
+
+    def _fn(self):
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
+        return self._flex
+
+    def block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        T = self.tile
+        Sq, Sk = q_pos.shape[0], k_pos.shape[0]
+        full, partial, qp, kp = tile_classes(q_pos, k_pos, T, T)
+
+        def lists(m: torch.Tensor):
+            counts = m.sum(-1, dtype=torch.int32)
+            order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+            return counts[None, None].contiguous(), order[None, None].contiguous()
+
+        kv_num, kv_idx = lists(partial)
+        full_num, full_idx = lists(full)
+
+        def mask_mod(b, h, qi, ki):
+            return kp[ki] <= qp[qi]
+
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod,
+                                        seq_lengths=(Sq, Sk))
+
+    def _call(self, q, k, v, q_pos, k_pos, scale):
+        out, lse = self._fn()(q, k, v, block_mask=self.block_mask(q_pos, k_pos), scale=scale,
+                              enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+        return out, lse
+
+    def forward(self, q, k, v, q_pos, k_pos, scale):
+        _check_block_inputs(q, k, v, q_pos, k_pos)
+        out, lse = self._call(q, k, v, q_pos, k_pos, scale)
+        return out, lse.float()
+
+    def differentiable(self, q, k, v, q_pos, k_pos, scale) -> torch.Tensor:
+        """The block's output with FlexAttention's own autograd (used when a ring has a single step)."""
+        return self._call(q, k, v, q_pos, k_pos, scale)[0]
+
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
+        # With w = exp(lse_blk - lse): out = sum_blk w * out_blk, so dL/dout_blk = w * dout and
+        # dL/dlse_blk = w * rowsum(dout * (out_blk - out)). Pushing these through FlexAttention's own backward
+        # gives dS = P_blk * w * (dP - rowsum(dout*out)) = P * (dP - D): the flash backward with the global lse.
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out_blk, lse_blk = self._call(qd, kd, vd, q_pos, k_pos, scale)
+            lse_blk32 = lse_blk.float()
+            w = torch.where(torch.isfinite(lse_blk32), torch.exp(lse_blk32 - lse.float()), torch.zeros_like(lse_blk32))
+            d_out = (dout.float() * w.unsqueeze(-1)).to(out_blk.dtype)
+            d_lse = w * (dout.float() * (out_blk.detach().float() - out.float())).sum(-1)
+            dq, dk, dv = torch.autograd.grad((out_blk, lse_blk), (qd, kd, vd), (d_out, d_lse.to(lse_blk.dtype)))
+        return dq.float(), dk.float(), dv.float()
+
+    def __repr__(self) -> str:
+        return f"FlexBlockOp(tile={self.tile}, compile={self.compile})"
+
+
+def default_block_op(device: torch.device) -> BlockAttentionOp:
+    """FlexAttention on CUDA, the chunked torch op elsewhere."""
+    if device.type == "cuda":
+        return FlexBlockOp()
+    return TorchBlockOp()
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

@@ -1,0 +1,140 @@
+"""Token layouts: how a sequence of N tokens is split over W context-parallel ranks.
+
+Three layouts, all with every rank holding N / W tokens in increasing global order:
+
+``contiguous`` (unit W): rank r holds the r-th of W equal chunks::
+
+    tokens  | 0 1 2 3 | 4 5 6 7 | 8 9 a b |      W = 3, N = 12
+    rank    |    0    |    1    |    2    |
+
+  Simple, but under a causal mask the last rank does W times the work of the first.
+
+``zigzag`` (unit 2W): the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r, so every rank gets
+one early (cheap) and one late (expensive) chunk and dense causal work is balanced::
+
+    chunk   | 0  | 1  | 2  | 3  | 4  | 5  |      W = 3
+    rank    | 0  | 1  | 2  | 2  | 1  | 0  |
+
+``striped`` (unit W * block_size): block b of ``block_size`` tokens lives on rank b mod W (MTraining, section
+3.2). At ring step t every rank pairs its blocks with the same diagonal offsets modulo W, which balances
+vertical-slash sparse work as well as dense work::
+
+    block   | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |  W = 3
+    rank    | 0 | 1 | 2 | 0 | 1 | 2 | 0 | 1 | 2 |
+
+A length that is not a multiple of the layout's unit is an error here; the integration layer pads (see
+:mod:`lightning_mtraining.sharding`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+
+Layout = Literal["contiguous", "zigzag", "striped"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+
+__all__ = ["LAYOUTS", "Layout", "global_positions", "layout_unit", "shard_sequence", "unshard_sequence"]
+
+
+def _check_layout(layout: str, world_size: int, block_size: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if layout == "striped" and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int for the striped layout, got {block_size!r}")
+
+
+def layout_unit(layout: str, world_size: int, block_size: int = 128) -> int:
+    """The number of tokens a sequence length must be a multiple of under ``layout``."""
+    _check_layout(layout, world_size, block_size)
+    if layout == "contiguous":
+        return world_size
+    if layout == "zigzag":
+        return 2 * world_size
+    return world_size * block_size
+
+
+def _check_length(seq_len: int, layout: str, world_size: int, block_size: int) -> int:
+    unit = layout_unit(layout, world_size, block_size)
+    if seq_len <= 0 or seq_len % unit != 0:
+        detail = f"world_size={world_size}" + (f" x block_size={block_size}" if layout == "striped" else "")
+        padded = max(unit, -(-seq_len // unit) * unit)
+        raise ValueError(
+            f"sequence length {seq_len} is not a positive multiple of the {layout} layout's unit {unit} "
+            f"({detail}); pad the sequence to {padded} tokens (lightning_mtraining.sharding pads batches for you) "
+            f"or choose another block_size/layout"
+        )
+    return unit
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+
+
+def global_positions(
+    seq_len: int,
+    rank: int,
+    world_size: int,
+    layout: str = "striped",
+    block_size: int = 128,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Global token positions (int64, increasing) of ``rank``'s shard of a length-``seq_len`` sequence."""
+    _check_length(seq_len, layout, world_size, block_size)
+    _check_rank(rank, world_size)
+    local = seq_len // world_size
+    if layout == "contiguous":
+        return torch.arange(rank * local, (rank + 1) * local, device=device)
+    if layout == "zigzag":
+        half = local // 2
+        first = torch.arange(rank * half, (rank + 1) * half, device=device)
+        second = torch.arange((2 * world_size - 1 - rank) * half, (2 * world_size - rank) * half, device=device)
+        return torch.cat([first, second])
+    n_local_blocks = local // block_size
+    block_starts = (torch.arange(n_local_blocks, device=device) * world_size + rank) * block_size
+    return (block_starts[:, None] + torch.arange(block_size, device=device)[None, :]).reshape(-1)
+
+
+def shard_sequence(
+    x: torch.Tensor, dim: int, rank: int, world_size: int, layout: str = "striped", block_size: int = 128
+) -> torch.Tensor:
+    """``rank``'s shard of ``x`` along ``dim`` under ``layout`` (a new contiguous tensor)."""
+    dim = dim % x.dim()
+    seq_len = x.shape[dim]
+    _check_length(seq_len, layout, world_size, block_size)
+    _check_rank(rank, world_size)
+    if layout == "contiguous":
+        return x.chunk(world_size, dim=dim)[rank].contiguous()
+    if layout == "zigzag":
+        chunks = x.chunk(2 * world_size, dim=dim)
+        return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
+    # striped: [.., N, ..] -> [.., N/(W*bs), W, bs, ..], take rank along W.
+    blocks = x.unflatten(dim, (seq_len // (world_size * block_size), world_size, block_size))
+    return blocks.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
+
+
+def unshard_sequence(
+    shards: Sequence[torch.Tensor], dim: int, layout: str = "striped", block_size: int = 128
+) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full sequence from all ranks' shards, in rank order."""
+    world_size = len(shards)
+    _check_layout(layout, world_size, block_size)
+    ref = shards[0]
+    dim = dim % ref.dim()
+    for r, s in enumerate(shards):
+        if s.shape != ref.shape:
+            raise ValueError(f"shard {r} has shape {tuple(s.shape)}, shard 0 has {tuple(ref.shape)}; all must match")
+    _check_length(ref.shape[dim] * world_size, layout, world_size, block_size)
+    if layout == "contiguous":
+        return torch.cat(list(shards), dim=dim)
+    if layout == "zigzag":
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        order = [halves[r][0] for r in range(world_size)] + [halves[r][1] for r in reversed(range(world_size))]
+        return torch.cat(order, dim=dim)
+    n_local_blocks = ref.shape[dim] // block_size
+    blocks = torch.stack([s.unflatten(dim, (n_local_blocks, block_size)) for s in shards], dim=dim + 1)
+    return blocks.flatten(dim, dim + 2)

@@ -1,0 +1,140 @@
+"""A single-process simulated ring: every virtual rank's per-step work of a W-rank ring, on one device.
+
+It calls the same per-step functions as the real ring (:func:`~lightning_mtraining.ring.forward_step`,
+:func:`~lightning_mtraining.ring.backward_step`) in the same order, and sums each chunk's dK/dV in the order the
+real ring does, so its results equal the real ring's. No communication happens: what it measures is each
+virtual rank's compute per step (load balance, kernel efficiency), which is what a benchmark on one GPU can
+show. Communication cost is modelled separately (``benchmarks/``).
+
+Usage (full-sequence tensors in, per-rank shards out)::
+
+    sim = SimulatedRing(world_size=8, layout="striped", block_size=128, inner_size=4)
+    outs = sim.forward(q, k, v)              # list of W tensors [B, H, N/W, D]
+    dqs, dks, dvs = sim.backward(douts)      # lists of W shards
+    sim.timings                              # {(rank, step, "fwd" | "bwd"): milliseconds}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from lightning_mtraining.attention_ops import BlockAttentionOp, default_block_op, default_scale
+from lightning_mtraining.layouts import global_positions, layout_unit, shard_sequence
+from lightning_mtraining.ring import RingTopology, backward_step, forward_step
+
+__all__ = ["SimulatedRing"]
+
+
+class SimulatedRing:
+    """Runs a ring of ``world_size`` virtual ranks (``inner_size`` per node) in this process.
+
+    Args:
+        world_size: number of virtual CP ranks W.
+        layout, block_size: token layout of the shards.
+        inner_size: ranks per node for the hierarchical schedule (default: W, a flat ring).
+        op: per-block attention op (default as in :func:`~lightning_mtraining.ring.ring_attention`).
+        scale: softmax scale (default ``1/sqrt(D)``).
+        time_steps: record each (rank, step) compute time in :attr:`timings` (CUDA events on GPU).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        layout: str = "striped",
+        block_size: int = 128,
+        inner_size: int | None = None,
+        op: BlockAttentionOp | None = None,
+        scale: float | None = None,
+        time_steps: bool = False,
+    ) -> None:
+        inner_size = world_size if inner_size is None else inner_size
+        if world_size < 1 or inner_size < 1 or world_size % inner_size:
+            raise ValueError(f"inner_size {inner_size} must be positive and divide world_size {world_size}")
+        self.world_size, self.layout, self.block_size = world_size, layout, block_size
+        self.inner_size, self.outer_size = inner_size, world_size // inner_size
+        self.op, self.scale, self.time_steps = op, scale, time_steps
+        self.topos = [
+            RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
+        ]
+        self.timings: dict[tuple[int, int, str], float] = {}
+        self._events: list[tuple[tuple[int, int, str], object, object]] = []
+        self._saved = None
+
+    @contextlib.contextmanager
+    def _timed(self, key, device: torch.device):
+        if not self.time_steps:
+            yield
+            return
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((key, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.timings[key] = (time.perf_counter() - t0) * 1e3
+
+    def _collect(self) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+            for key, start, end in self._events:
+                self.timings[key] = start.elapsed_time(end)
+            self._events.clear()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        """Full-sequence ``q [B,H,N,D]``, ``k, v [B,Hkv,N,D]`` -> each virtual rank's output shard."""
+        W, n = self.world_size, q.shape[2]
+        layout_unit(self.layout, W, self.block_size)
+        shard = lambda x, r: shard_sequence(x, 2, r, W, self.layout, self.block_size)  # noqa: E731
+        scale = default_scale(q.shape[-1], self.scale)
+        op = default_block_op(q.device) if self.op is None else self.op
+        pos = [global_positions(n, r, W, self.layout, self.block_size, device=q.device) for r in range(W)]
+        qs = [shard(q, r) for r in range(W)]
+        kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
+        states = []
+        for r, topo in enumerate(self.topos):
+            state = None
+            for step, src in enumerate(topo.sources()):
+                with self._timed((r, step, "fwd"), q.device):
+                    state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale)
+            states.append(state)
+        self._collect()
+        outs = [s[0].to(q.dtype) for s in states]
+        self._saved = (qs, kvs, outs, [s[1] for s in states], pos, op, scale)
+        return outs
+
+    def backward(self, douts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per-rank output gradients -> per-rank (dq, dk, dv) shards, as the real ring's backward returns them."""
+        if self._saved is None:
+            raise RuntimeError("call forward() before backward()")
+        qs, kvs, outs, lses, pos, op, scale = self._saved
+        W, Wi, Wo = self.world_size, self.inner_size, self.outer_size
+        dqs, contrib = [], {}
+        for r, topo in enumerate(self.topos):
+            dq = torch.zeros(qs[r].shape, dtype=lses[r].dtype, device=qs[r].device)
+            for step, src in enumerate(topo.sources()):
+                with self._timed((r, step, "bwd"), qs[r].device):
+                    contrib[(r, step)] = backward_step(
+                        dq, op, qs[r], kvs[src], outs[r], lses[r], douts[r].contiguous(), pos[r], pos[src], scale
+                    )
+            dqs.append(dq.to(qs[r].dtype))
+        self._collect()
+        dks, dvs = [], []
+        for c in range(W):  # sum chunk c's contributions in the real ring's order (see ring.py's Note)
+            oc, ic = divmod(c, Wi)
+            total = None
+            for so in range(Wo):
+                node_sum = None
+                for si in range(Wi):
+                    r = ((oc + so) % Wo) * Wi + (ic + si) % Wi
+                    d = contrib[(r, so * Wi + si)]
+                    node_sum = d if node_sum is None else d + node_sum
+                total = node_sum if total is None else node_sum + total
+            dks.append(total[0].to(kvs[c].dtype))
+            dvs.append(total[1].to(kvs[c].dtype))
+        return dqs, dks, dvs
