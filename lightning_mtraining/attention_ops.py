@@ -201,10 +201,15 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
 class FlexBlockOp:
     """FlexAttention block op (CUDA). The BlockMask comes from tile-level position bounds, O((S/tile)^2) work."""
 
-    def __init__(self, tile: int = 128, compile: bool = True) -> None:
+    def __init__(self, tile: int = 128, compile: bool = True, cache_size: int = 256) -> None:
         self.tile = tile
         self.compile = compile
+        self.cache_size = cache_size
         self._flex = None
+        # BlockMasks by the identity of the position tensors: the ring reuses the same position tensors for
+        # every layer and step (see ring._positions), so each mask is built once. Entries keep the tensors
+        # alive, so an id cannot be recycled while its entry exists.
+        self._masks: dict[tuple[int, int], tuple] = {}
 
     def _fn(self):
         if self._flex is None:
@@ -234,8 +239,17 @@ class FlexBlockOp:
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod,
                                         seq_lengths=(Sq, Sk))
 
+    def _cached_block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        key = (id(q_pos), id(k_pos))
+        hit = self._masks.get(key)
+        if hit is None:
+            if len(self._masks) >= self.cache_size:
+                self._masks.pop(next(iter(self._masks)))
+            hit = self._masks[key] = (q_pos, k_pos, self.block_mask(q_pos, k_pos))
+        return hit[2]
+
     def _call(self, q, k, v, q_pos, k_pos, scale):
-        out, lse = self._fn()(q, k, v, block_mask=self.block_mask(q_pos, k_pos), scale=scale,
+        out, lse = self._fn()(q, k, v, block_mask=self._cached_block_mask(q_pos, k_pos), scale=scale,
                               enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
         return out, lse
 

@@ -38,6 +38,7 @@ diagonal blocks of the layout).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator
 
 import torch
@@ -238,6 +239,13 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None
 
 
+@functools.lru_cache(maxsize=64)
+def _positions(n: int, cp_size: int, layout: str, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every CP rank's global positions; cached so that every layer and step sees the same tensors (which lets
+    block ops cache what they derive from them, such as FlexAttention BlockMasks)."""
+    return tuple(global_positions(n, r, cp_size, layout, block_size, device=device) for r in range(cp_size))
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, block_size: int, cp_size: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -310,8 +318,7 @@ def ring_attention(
     _validate(q, k, v, layout, block_size, topo.cp_size)
     scale = default_scale(q.shape[-1], scale)
     op = default_block_op(q.device) if op is None else op
-    n = q.shape[2] * topo.cp_size
-    positions = [global_positions(n, r, topo.cp_size, layout, block_size, device=q.device) for r in range(topo.cp_size)]
+    positions = _positions(q.shape[2] * topo.cp_size, topo.cp_size, layout, block_size, q.device)
     if topo.cp_size == 1 and hasattr(op, "differentiable"):
         return op.differentiable(q, k, v, positions[0], positions[0], scale)
     return _RingAttention.apply(q, k, v, topo, positions, op, scale)

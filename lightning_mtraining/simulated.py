@@ -22,8 +22,8 @@ import time
 import torch
 
 from lightning_mtraining.attention_ops import BlockAttentionOp, default_block_op, default_scale
-from lightning_mtraining.layouts import global_positions, layout_unit, shard_sequence
-from lightning_mtraining.ring import RingTopology, backward_step, forward_step
+from lightning_mtraining.layouts import layout_unit, shard_sequence
+from lightning_mtraining.ring import RingTopology, _positions, backward_step, forward_step
 
 __all__ = ["SimulatedRing"]
 
@@ -93,7 +93,7 @@ class SimulatedRing:
         shard = lambda x, r: shard_sequence(x, 2, r, W, self.layout, self.block_size)  # noqa: E731
         scale = default_scale(q.shape[-1], self.scale)
         op = default_block_op(q.device) if self.op is None else self.op
-        pos = [global_positions(n, r, W, self.layout, self.block_size, device=q.device) for r in range(W)]
+        pos = _positions(n, W, self.layout, self.block_size, q.device)
         qs = [shard(q, r) for r in range(W)]
         kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
         states = []
