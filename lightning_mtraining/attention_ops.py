@@ -199,7 +199,14 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
 
 
 class FlexBlockOp:
-    """FlexAttention block op (CUDA). The BlockMask comes from tile-level position bounds, O((S/tile)^2) work."""
+    """FlexAttention block op (CUDA). The BlockMask comes from tile-level position bounds, O((S/tile)^2) work.
+
+    FlexAttention is compiled with ``dynamic=False``: every distinct block shape compiles once, and torch's
+    recompile limit (``torch._dynamo.config.cache_size_limit``, 8 by default) then falls back to an unfused path
+    that materialises the scores and runs out of memory at long context. Train on fixed-length (packed)
+    sequences, as :mod:`lightning_mtraining.data` produces, or raise that limit in your script; this op does not
+    change global torch settings.
+    """
 
     def __init__(self, tile: int = 128, compile: bool = True, cache_size: int = 256) -> None:
         self.tile = tile
