@@ -1,0 +1,301 @@
+"""Benchmark: vertical-slash sparse attention (Triton) against SDPA flash, FlexAttention dense causal and
+FlexAttention with the covering BlockMask, forward + backward, Qwen2.5-3B attention shape, bf16, batch 1.
+
+Command (GPU, via the device tool)::
+
+    python benchmarks/kernel_sparse.py --seqlens 32768 131072 --fractions 0.02 0.05 0.1 0.2 --out $OUT/ks.json
+
+Patterns (one per KV head: G = H_kv = 2, a different random draw per head and per fraction), MTraining-like:
+- sinks: key columns 0..63 as verticals; local window: slash offsets 0..255 (tile diagonals 0..4 at T=64);
+- min(1024, fraction * S / 2) verticals per KV head at random positions (token level: gathered, except inside
+  computed tiles);
+- slash bands: whole tile diagonals at random offsets (uniform over the sequence) added until the computed pairs
+  reach the target fraction of the causal pairs.
+Computed work = (tile pairs x T^2 + gathered (query tile, column) pairs x T) per head; TFLOP/s use
+4 * D * pairs forward and x3.5 for forward+backward (DESIGN.md). The fraction reported is that work over the
+causal S^2/2 pairs. FlexAttention "cover" gets a BlockMask (128 x 128) of every tile holding a computed pair,
+full blocks below the diagonal and a causal mask_mod on the diagonal: the best a FlexAttention user can do.
+Index conversion (pattern -> lists) is timed separately. Times are medians of triton.testing.do_bench.
+
+Compiler resource report (registers, stack/spills per thread) of every kernel, for sm_90, WITHOUT a GPU (Triton
+compiles to a cubin with its bundled ptxas; cuobjdump reads it)::
+
+    python benchmarks/kernel_sparse.py --resources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import triton
+
+from mtraining_kernels.indexing import COL_CHUNK, expand_pattern, pattern_tile_lists
+from mtraining_kernels.vertical_slash import vertical_slash_attention
+
+H, HKV, D = 16, 2, 128
+
+
+def make_pattern(S: int, T: int, frac: float, n_vertical: int, seed: int):
+    """[1, HKV, n] verticals and slashes hitting about ``frac`` of the causal pairs (see module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    M = -(-S // T)
+    vis, sis = [], []
+    for _ in range(HKV):
+        vi = torch.cat([torch.arange(64), torch.randint(64, S, (n_vertical,), generator=g)])
+        base = list(range(0, 256))
+        base_tiles = sum(M - d for d in range(0, 5))
+        col_tiles = n_vertical * S / 2 / T**2  # each vertical is seen by ~S/2 queries on average
+        need = max(0.0, frac * M * M / 2 - base_tiles - col_tiles)  # in tiles
+        bands = []
+        while need > 0:
+            d = int(torch.randint(5, M, (1,), generator=g))
+            if d * T in bands:
+                continue
+            bands.append(d * T)
+            need -= M - d
+        vis.append(vi)
+        sis.append(torch.tensor(base + bands, dtype=torch.int64))
+    n_v, n_s = max(len(x) for x in vis), max(len(x) for x in sis)
+    pad = lambda xs, n: torch.stack([torch.cat([x, x.new_full((n - len(x),), -1)]) for x in xs])[None]
+    return pad(vis, n_v), pad(sis, n_s)
+
+
+def computed_pairs(tiles) -> float:
+    """Pairs the kernel computes (tile pairs x BM x BN + gathered columns x BM), summed over heads."""
+    t = tiles.tile_pairs().sum().item() * tiles.block_m * tiles.block_n
+    c = tiles.gathered_columns().sum().item() * tiles.block_m
+    return float(t + c)
+
+
+def flex_cover_mask(tiles, S: int, device):
+    """BlockMask (128 x 128) of every tile holding a computed pair: full below the diagonal, causal on it."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    FB = 128
+    assert FB % tiles.block_m == 0
+    r = FB // tiles.block_m
+    Mf = -(-S // FB)
+    Hp = tiles.fwd_idx.shape[1]
+    grid = torch.zeros(Hp, Mf, Mf + 1, dtype=torch.bool, device=device)
+    Mq, L = tiles.fwd_idx.shape[2], tiles.fwd_idx.shape[3]
+    live = torch.arange(L, device=device) < tiles.fwd_cnt[0, :, :, None]
+    kb = torch.where(live, tiles.fwd_idx[0].long() * tiles.block_n // FB, Mf)
+    qb = (torch.arange(Mq, device=device) // r)[None, :, None].expand_as(kb)
+    grid[torch.arange(Hp, device=device)[:, None, None].expand_as(kb), qb, kb] = True
+    if tiles.col_idx is not None:
+        J = tiles.col_bits.shape[-1]
+        for j in range(J):  # chunks of 64 columns
+            bits = tiles.col_bits[0, :, :, j]  # [H, Mq]
+            cols = tiles.col_idx[0, :, j * COL_CHUNK:(j + 1) * COL_CHUNK].long() // FB  # [H, 64]
+            sel = ((bits[..., None] >> torch.arange(COL_CHUNK, device=device)) & 1).bool()  # [H, Mq, 64]
+            hh = torch.arange(Hp, device=device)[:, None, None].expand_as(sel)
+            mm = (torch.arange(Mq, device=device) // r)[None, :, None].expand_as(sel)
+            cc = cols[:, None, :].expand_as(sel)
+            grid[hh[sel], mm[sel], cc[sel]] = True
+    grid = grid[..., :Mf]
+    diag = torch.eye(Mf, dtype=torch.bool, device=device)[None]
+    partial = grid & diag
+    full = grid & ~diag & torch.ones(Mf, Mf, dtype=torch.bool, device=device).tril()[None]
+
+    def lists(m):
+        cnt = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return cnt[None].contiguous(), order[None].contiguous()
+
+    kv_num, kv_idx = lists(partial)
+    full_num, full_idx = lists(full)
+
+    def causal(b, h, q_idx, kv_idx_):
+        return kv_idx_ <= q_idx
+
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FB, mask_mod=causal,
+                                  seq_lengths=(S, S))
+    return bm, float(grid.sum().item()) / (Hp * Mf * (Mf + 1) / 2)
+
+
+def bench(fn, grads, long: bool) -> float:
+    """Median ms. Long runs (512K: seconds per call): one warm-up and 3 timed calls with CUDA events, because
+    do_bench's own estimate loop alone would call a 10-s anchor 6 times."""
+    if not long:
+        return triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=grads, return_mode="median")
+    times = []
+    for i in range(4):
+        for g in grads or []:
+            g.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _parse_block(spec: str) -> tuple[int, int]:
+    bm, _, bn = str(spec).partition("x")
+    return int(bm), int(bn or bm)
+
+
+def resources(block_m=64, block_n=64, head_dims=(64, 128)) -> None:
+    """Print cuobjdump's register / stack report of each kernel compiled for sm_90 (no GPU needed)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mtraining_kernels import vertical_slash as vs
+
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "Out": "*bf16", "ColBits": "*i64"}
+    ptrs.update({n: "*i32" for n in "QPos KPos FIdx FCnt FNm ColIdx BIdx BCnt BNm".split()})
+    ptrs.update({n: "*fp32" for n in "Lse Lse2 Delta DQ DK DV DKC DVC".split()})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    target = GPUTarget("cuda", 90, 32)
+    for D in head_dims:
+        common = dict(HEAD_DIM=D, BLOCK_M=block_m)
+        sub = min(block_m, vs.SUB_M_BWD)
+        for fn, const, stages, warps in (
+            (vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, HAS_COLS=True, HAS_PREV=False),
+             vs.NUM_STAGES_FWD, vs._num_warps(block_m, block_n, D)),
+            (vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, HAS_COLS=True), vs.NUM_STAGES_BWD,
+             vs._num_warps(block_m, block_n, D)),
+            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), vs.NUM_STAGES_BWD,
+             vs._num_warps(vs.SUB_M_BWD, block_n, D)),
+            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=COL_CHUNK, SUB_M=sub), vs.NUM_STAGES_BWD,
+             vs._num_warps(block_m, COL_CHUNK, D)),
+        ):
+            const = {**common, **const}
+            sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if "scale" in n else "i32")
+                   for n in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, const), target=target,
+                               options={"num_warps": warps, "num_stages": stages})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                rep = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
+            line = next((ln.strip() for ln in rep.stdout.splitlines() if "REG:" in ln), rep.stdout[-200:])
+            wgmma = "wgmma" in k.asm["ptx"]
+            print(f"{block_m}x{block_n} D={D} {fn.__name__:<26} warps={warps} stages={stages} wgmma={wgmma} "
+                  f"smem={k.metadata.shared} {line.split(' SHARED')[0]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--resources", action="store_true", help="compiler report only (no GPU needed)")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
+    ap.add_argument("--block-sizes", nargs="+", default=["64"], help="tile sizes: 64, or BMxBN such as 128x64")
+    ap.add_argument("--n-vertical", type=int, default=1024)
+    ap.add_argument("--anchors", default="sdpa,flex,cover")
+    ap.add_argument("--out", default="kernel_sparse.json")
+    args = ap.parse_args()
+    if args.resources:
+        for spec in args.block_sizes:
+            resources(*_parse_block(spec))
+        return
+    anchors = set(args.anchors.split(",")) if args.anchors else set()
+    dev = torch.device("cuda")
+    rows = []
+    info = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(info, flush=True)
+    flex = None
+    if anchors & {"flex", "cover"}:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    for S in args.seqlens:
+        long = S > 262144
+        torch.manual_seed(0)
+        q, k, v, dout = (torch.randn(1, h, S, D, device=dev, dtype=torch.bfloat16) for h in (H, HKV, HKV, H))
+        q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+        dense_flops = 4 * S * S * D * H / 2
+        base = {}
+
+        def fb(f):
+            def run():
+                f().backward(dout)
+            return run
+
+        if "sdpa" in anchors:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def sdpa():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            try:
+                base["sdpa_fb_ms"] = bench(fb(sdpa), [q, k, v], long)
+            except Exception as e:  # noqa: BLE001 - record and go on
+                base["sdpa_error"] = repr(e)[:200]
+        if "flex" in anchors:
+            try:
+                from lightning_mtraining.attention_ops import FlexBlockOp
+
+                pos = torch.arange(S, device=dev)
+                dense_bm = FlexBlockOp(tile=128).block_mask(pos, pos)
+                base["flex_fb_ms"] = bench(fb(lambda: flex(q, k, v, block_mask=dense_bm, enable_gqa=True)),
+                                           [q, k, v], long)
+                del dense_bm
+            except Exception as e:  # noqa: BLE001
+                base["flex_error"] = repr(e)[:200]
+        for key in ("sdpa", "flex"):
+            if f"{key}_fb_ms" in base:
+                base[f"{key}_tflops"] = dense_flops * 3.5 / base[f"{key}_fb_ms"] / 1e9
+        print(S, base, flush=True)
+        for spec in args.block_sizes:
+            BM, BN = _parse_block(spec)
+            T = BN
+            for frac in args.fractions:
+                n_vertical = min(args.n_vertical, int(frac * S / 2))  # at 32K, 1024 verticals alone are ~5%
+                vi, si = make_pattern(S, T, frac, n_vertical, seed=int(frac * 1000) + S)
+                vi, si = vi.to(dev), si.to(dev)
+                vih, sih = expand_pattern(vi, H, HKV), expand_pattern(si, H, HKV)
+                idx_ms = triton.testing.do_bench(lambda: pattern_tile_lists(vih, sih, S, BM, BN), warmup=5, rep=50,
+                                                 return_mode="median")
+                tiles = pattern_tile_lists(vih, sih, S, BM, BN)
+                pairs = computed_pairs(tiles)
+                row = {"S": S, "T": f"{BM}x{BN}", "target": frac, "fraction": pairs / (H * S * S / 2), "idx_ms": idx_ms,
+                       "n_slash": int((si >= 0).sum(-1).max()), "n_vertical": int((vi >= 0).sum(-1).max()), **base}
+                f_ms = bench(lambda: vertical_slash_attention(q, k, v, tiles), None, long)
+                fb_ms = bench(fb(lambda: vertical_slash_attention(q, k, v, tiles)), [q, k, v], long)
+                row.update(vs_f_ms=f_ms, vs_fb_ms=fb_ms, vs_tflops=4 * D * pairs * 3.5 / fb_ms / 1e9,
+                           vs_f_tflops=4 * D * pairs / f_ms / 1e9)
+                if "flex_fb_ms" in base:
+                    row["speedup_vs_flex_dense"] = base["flex_fb_ms"] / fb_ms
+                if "cover" in anchors:
+                    try:
+                        bm, cover_frac = flex_cover_mask(tiles, S, dev)
+                        row["cover_fraction"] = cover_frac
+                        row["flex_cover_fb_ms"] = bench(
+                            fb(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)), [q, k, v], long)
+                        row["speedup_vs_flex_cover"] = row["flex_cover_fb_ms"] / fb_ms
+                        del bm
+                    except Exception as e:  # noqa: BLE001
+                        row["cover_error"] = repr(e)[:200]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del tiles
+                torch.cuda.empty_cache()
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    hdr = f"{'S':>7} {'T':>6} {'frac':>6} {'idx ms':>7} {'vs f':>8} {'vs f+b':>8} {'TF/s':>5} {'flexD':>8} " \
+          f"{'TF/s':>5} {'cover':>8} {'x flexD':>7} {'x cover':>7} {'sdpa':>8}"
+    print(hdr)
+    for r in rows:
+        print(f"{r['S']:>7} {r['T']:>6} {r['fraction']:>6.3f} {r['idx_ms']:>7.2f} {r['vs_f_ms']:>8.2f} "
+              f"{r['vs_fb_ms']:>8.2f} {r['vs_tflops']:>5.0f} {r.get('flex_fb_ms', math.nan):>8.1f} "
+              f"{r.get('flex_tflops', math.nan):>5.0f} {r.get('flex_cover_fb_ms', math.nan):>8.1f} "
+              f"{r.get('speedup_vs_flex_dense', math.nan):>7.1f} {r.get('speedup_vs_flex_cover', math.nan):>7.1f} "
+              f"{r.get('sdpa_fb_ms', math.nan):>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Tile and column lists for the vertical-slash kernels, built on the device with torch ops (no Python loops).
+
+Shape legend: B batch, H query heads, Hkv key/value heads, S sequence length, Mq query tiles, Nk key tiles,
+L list length (padded), NC gathered-column slots (a multiple of ``COL_CHUNK``), J = NC // COL_CHUNK.
+
+The kernel interface (:class:`TileLists`) is generic and layout-agnostic: it speaks of *local* indices of
+query tiles, key tiles and key columns of one (q, k) pair of tensors, and the kernel decides causality from the
+global positions ``q_pos`` / ``k_pos``. Two builders fill it:
+
+- :func:`dense_tile_lists` (any positions, increasing): every tile pair that holds at least one allowed pair.
+  This is the dense ring's block op.
+- :func:`pattern_tile_lists` (single device, positions ``0..S-1``): the vertical-slash pattern, see below.
+
+Lists ``fwd_*`` are query-tile-major (forward and the dq kernel): for query tile ``m`` the key tiles
+``fwd_idx[b, h, m, :fwd_cnt]``; the first ``fwd_nmask`` of them need the token-level mask (``k_pos <= q_pos``,
+and key index < Sk), the rest are computed without any mask. Lists ``bwd_*`` are the same set of tile pairs,
+key-tile-major (the dk/dv kernel): for key tile ``t`` the query tiles ``bwd_idx[b, h, t, :bwd_cnt]``, masked
+ones first. Gathered columns: ``col_idx[b, h, :]`` is one sorted list of key indices per head (chunks of
+``COL_CHUNK`` = 64) and ``col_bits[b, h, m, j]`` is an int64 bitmask: bit ``i`` set iff key
+``col_idx[b, h, j*64 + i]`` is gathered for query tile ``m``. This is "a list of key columns per query tile"
+stored as one shared list plus per-tile bits: O(Mq * NC / 64) memory instead of O(Mq * NC), and the same
+arrays serve the query-major forward and the column-major dk/dv kernel. The kernel always applies the token
+mask ``k_pos <= q_pos`` to gathered columns. Leading dims of every list may be 1 (broadcast over batch/heads).
+
+Computed pairs of a vertical-slash pattern (single device, positions 0..S-1, tiles BM x BN with BM = r * BN;
+the default is square, r = 1), per batch b and query head h, with V = the valid vertical indices and O = the
+valid slash offsets of that head. Tile (query tile m, key tile t) has offset u = m*r - t (in key tiles):
+
+    offset u is *computed* iff some s in O has  u*BN - BN < s < u*BN + BM,
+    i.e. the diagonal q - k = s crosses the tile when tiles are taken as full BM x BN rectangles (a ragged last
+    tile is treated as if it were full, so its crossing test is the same as everyone's); for square tiles
+    (T = BM = BN, u = m - t is the tile diagonal d) this reads |s - d*T| < T;
+    query i sees key j iff  j <= i  and  ( offset (i//BM)*r - j//BN is computed  or  j in V ).
+
+Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
+computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
+are int32; three host syncs read list lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "COL_CHUNK", "TileLists", "computed_tile_offsets", "dense_tile_lists", "expand_pattern", "pattern_tile_lists",
+]
+
+COL_CHUNK = 64  # gathered columns per kernel step; one int64 of bits per (query tile, chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLists:
+    """Per-query-tile work lists for one (q, k) block pair; see the module docstring for the exact meaning."""
+
+    block_m: int
+    block_n: int
+    fwd_idx: torch.Tensor  # [B', H', Mq, Lf] int32 key tiles (masked ones first)
+    fwd_cnt: torch.Tensor  # [B', H', Mq] int32
+    fwd_nmask: torch.Tensor  # [B', H', Mq] int32
+    bwd_idx: torch.Tensor  # [B', H', Nk, Lb] int32 query tiles (masked ones first)
+    bwd_cnt: torch.Tensor  # [B', H', Nk] int32
+    bwd_nmask: torch.Tensor  # [B', H', Nk] int32
+    col_idx: torch.Tensor | None = None  # [B', H', NC] int32 key indices (padding: 0 with bit unset)
+    col_bits: torch.Tensor | None = None  # [B', H', Mq, NC // COL_CHUNK] int64
+
+    @property
+    def num_q_tiles(self) -> int:
+        return self.fwd_idx.shape[2]
+
+    @property
+    def num_k_tiles(self) -> int:
+        return self.bwd_idx.shape[2]
+
+    def tile_pairs(self) -> torch.Tensor:
+        """Number of computed (query tile, key tile) pairs per [B', H'] (for FLOP counts)."""
+        return self.fwd_cnt.sum(-1)
+
+    def gathered_columns(self) -> torch.Tensor:
+        """Number of gathered (query tile, column) pairs per [B', H'] (each costs block_m query rows)."""
+        if self.col_bits is None:
+            return torch.zeros_like(self.fwd_cnt[..., 0])
+        bits = self.col_bits
+        count = torch.zeros(bits.shape, dtype=torch.int64, device=bits.device)
+        for i in range(COL_CHUNK):  # popcount, 64 cheap passes over a small tensor
+            count += (bits >> i) & 1
+        return count.sum((-1, -2))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile_bounds(pos: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(min position, max position, is ragged) of each tile of ``block`` consecutive entries of ``pos``."""
+    n = pos.shape[0]
+    nt = _cdiv(n, block)
+    start = torch.arange(nt, device=pos.device) * block
+    end = torch.clamp(start + block, max=n) - 1
+    return pos[start], pos[end], (start + block) > n
+
+
+def _pack_rows(keep: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a [..., R, C] boolean grid to padded column lists, masked entries first, then the rest."""
+    C = keep.shape[-1]
+    col = torch.arange(C, device=keep.device)
+    # Sort key: masked kept entries first (by column), then unmasked kept ones, then the dropped ones.
+    key = torch.where(keep, torch.where(masked, col, col + C), col + 2 * C)
+    order = torch.sort(key, dim=-1).values
+    cnt = keep.sum(-1, dtype=torch.int32)
+    nmask = (keep & masked).sum(-1, dtype=torch.int32)
+    L = max(int(cnt.max()) if cnt.numel() else 0, 1)
+    idx = (order[..., :L] % C).to(torch.int32)
+    return idx.contiguous(), cnt, nmask
+
+
+def dense_tile_lists(q_pos: torch.Tensor, k_pos: torch.Tensor, block_m: int = 64, block_n: int = 64) -> TileLists:
+    """All tile pairs holding at least one allowed pair (``k_pos <= q_pos``), for any increasing positions.
+
+    A tile pair is flagged for the token-level mask only where some of its pairs are masked (partially causal) or
+    its key tile is ragged (keys past the end must be masked); a ragged query tile needs no mask (its extra rows
+    are never stored, and contribute nothing to dk/dv). Lists broadcast over batch and heads ([1, 1, ...]).
+    """
+    qmin, qmax, _ = _tile_bounds(q_pos, block_m)
+    kmin, kmax, kragged = _tile_bounds(k_pos, block_n)
+    keep = kmin[None, :] <= qmax[:, None]  # [Mq, Nk]
+    full = (kmax[None, :] <= qmin[:, None]) & ~kragged[None, :]
+    masked = keep & ~full
+    f_idx, f_cnt, f_nm = _pack_rows(keep, masked)
+    b_idx, b_cnt, b_nm = _pack_rows(keep.T, masked.T)
+    return TileLists(
+        block_m, block_n, f_idx[None, None], f_cnt[None, None], f_nm[None, None],
+        b_idx[None, None], b_cnt[None, None], b_nm[None, None],
+    )
+
+
+def expand_pattern(idx: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """A pattern ``[B, G, n]`` with G = H (per query head) or G = Hkv (per KV group) as ``[B, H, n]``."""
+    G = idx.shape[1]
+    if G == num_heads:
+        return idx
+    if G == num_kv_heads:
+        return idx.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    raise ValueError(f"pattern has {G} heads; expected H={num_heads} or H_kv={num_kv_heads}")
+
+
+def _sorted_unique(x: torch.Tensor, valid: torch.Tensor, big: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row, invalid and duplicate entries replaced by ``big`` at the end; returns (values, counts)."""
+    xs = torch.where(valid, x, torch.full_like(x, big)).sort(-1).values
+    if xs.shape[-1] > 1:
+        dup = torch.zeros_like(xs, dtype=torch.bool)
+        dup[..., 1:] = xs[..., 1:] == xs[..., :-1]
+        xs = torch.where(dup, torch.full_like(xs, big), xs).sort(-1).values
+    return xs, (xs < big).sum(-1)
+
+
+def computed_tile_offsets(slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int) -> torch.Tensor:
+    """Bool [B, H, Nk + r - 1]: entry u + r - 1 says whether tile offset u = m*r - t is computed (r = BM / BN).
+
+    Tile (m, t) is crossed by slash s iff  u*BN - BN < s < u*BN + BM  (full virtual tiles), u >= -(r - 1).
+    """
+    BM, BN, S = block_m, block_n, seq_len
+    r = BM // BN
+    Nk = _cdiv(S, BN)
+    UN = Nk + r - 1
+    s = slash_idx.to(torch.int64)
+    s_ok = (s >= 0) & (s < S)
+    lo = torch.clamp(-torch.div(BM - 1 - s, BN, rounding_mode="floor"), min=-(r - 1))  # ceil((s - BM + 1) / BN)
+    hi = torch.div(s + BN - 1, BN, rounding_mode="floor")
+    comp = torch.zeros(*s.shape[:2], UN + 1, dtype=torch.bool, device=s.device)
+    ones = torch.ones_like(s, dtype=torch.bool)
+    for j in range(r + 2):  # at most r + 1 offsets per slash
+        u = lo + j
+        ok = s_ok & (u <= hi) & (u <= Nk - 1)
+        comp.scatter_(2, torch.where(ok, u + r - 1, UN), ones)
+    return comp[..., :UN]
+
+
+def pattern_tile_lists(
+    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int = 64, block_n: int | None = None
+) -> TileLists:
+    """Lists for a vertical-slash pattern on one device (positions 0..S-1); patterns ``[B, H, n]`` per head.
+
+    ``vertical_idx``: key positions; ``slash_idx``: offsets q - k (0 = main diagonal); negative entries are
+    padding. Tiles are ``block_m`` x ``block_n`` (block_n defaults to block_m; block_m must be a multiple of it).
+    See the module docstring for the computed pairs. Use :func:`expand_pattern` for per-group patterns.
+    """
+    BM = block_m
+    BN = block_m if block_n is None else block_n
+    if BM % BN:
+        raise ValueError(f"block_m={BM} must be a multiple of block_n={BN}")
+    r, S = BM // BN, seq_len
+    dev = vertical_idx.device
+    B, H = vertical_idx.shape[:2]
+    Mq, Nk = _cdiv(S, BM), _cdiv(S, BN)
+    i32 = torch.int32  # the [B, H, tiles, L] lists are the big tensors
+    # --- computed tile offsets u = m*r - t, ascending (u <= 0: the tile overlaps the query rows -> masked) --------
+    comp = computed_tile_offsets(slash_idx, S, BM, BN)
+    big = Nk + r  # larger than any offset
+    u_all = torch.arange(-(r - 1), Nk, device=dev, dtype=i32)
+    L = max(int(comp.sum(-1).max()) if comp.numel() else 0, 1)
+    u_asc = torch.where(comp, u_all, big).sort(-1).values[..., :L].contiguous()  # [B, H, L]
+    # query-major: key tile t = m*r - u for u in [m*r - Nk + 1, m*r] (all u but for the last query tile)
+    mr = torch.arange(Mq, device=dev, dtype=i32) * r
+    first = torch.searchsorted(u_asc, (mr - Nk + 1).expand(B, H, Mq).contiguous())
+    end = torch.searchsorted(u_asc, mr.expand(B, H, Mq).contiguous(), right=True)
+    n_le0 = torch.searchsorted(u_asc, torch.zeros(B, H, 1, device=dev, dtype=i32), right=True)
+    f_cnt = (end - first).to(i32)
+    f_nm = torch.minimum((n_le0 - first).clamp(min=0), end - first).to(i32)
+    slot = torch.arange(L, device=dev, dtype=i32)
+    f_idx = mr[:, None] - u_asc[:, :, None, :]  # [B, H, Mq, L]; row m's entries start at first[m]
+    # first[m] = 0 for every m < Mq - 1 (m*r - Nk + 1 <= -(r - 1) there); only the last query tile may skip
+    # leading offsets (key tiles past the end), so only its row is shifted
+    pos_last = (first[..., -1:] + slot).clamp(max=L - 1).long()  # [B, H, L]
+    f_idx[:, :, -1] = mr[-1] - torch.gather(u_asc, 2, pos_last)
+    f_idx.clamp_(0, Nk - 1)
+    # key-major: query tile m = (t + u) / r where divisible and in range, masked (u <= 0) first
+    tt = torch.arange(Nk, device=dev, dtype=i32)
+    m_num = tt[:, None] + u_asc[:, :, None, :]  # [B, H, Nk, L]
+    ok = (u_asc[:, :, None, :] < big) & (m_num >= 0) & (m_num % r == 0) & (m_num < Mq * r)
+    b_cnt = ok.sum(-1, dtype=i32)
+    b_nm = (ok & (u_asc[:, :, None, :] <= 0)).sum(-1, dtype=i32)
+    Lb = max(int(b_cnt.max()) if b_cnt.numel() else 0, 1)
+    order = torch.sort(torch.where(ok, slot, slot + L), dim=-1).indices[..., :Lb]
+    b_idx = torch.gather(torch.div(m_num, r, rounding_mode="floor"), 3, order).clamp_(0, Mq - 1).to(i32)
+    # --- gathered columns: sorted unique verticals, minus those inside a computed tile ---------------------------
+    v = vertical_idx.to(torch.int64)
+    vs, nv = _sorted_unique(v, (v >= 0) & (v < S), S)
+    NC = _cdiv(int(nv.max()) if nv.numel() else 0, COL_CHUNK) * COL_CHUNK
+    col_idx = col_bits = None
+    if NC > 0:
+        if vs.shape[-1] < NC:
+            vs = torch.cat([vs, vs.new_full((B, H, NC - vs.shape[-1]), S)], -1)
+        vs = vs[..., :NC].contiguous()
+        J = NC // COL_CHUNK
+        # causal prefix: columns <= the last query of tile m (token mask in the kernel does the rest)
+        qmax = torch.clamp(torch.arange(Mq, device=dev) * BM + BM - 1, max=S - 1)
+        n_le = torch.searchsorted(vs, qmax.expand(B, H, Mq).contiguous(), right=True)  # [B, H, Mq]
+        cnt = (n_le[..., None] - torch.arange(J, device=dev) * COL_CHUNK).clamp(0, COL_CHUNK)  # [B, H, Mq, J]
+        one = torch.ones((), dtype=torch.int64, device=dev)
+        bits = torch.where(cnt >= COL_CHUNK, -one, (one << cnt.clamp(max=COL_CHUNK - 1)) - 1)
+        # exclusion: column c (key tile c // BN) is covered for query tile m = (c // BN + u) / r for every computed
+        # u (distinct bits, so an integer sum is an OR and its order does not matter: deterministic)
+        m_num = (vs // BN)[..., None] + u_asc[:, :, None, :]  # [B, H, NC, L]
+        ok = (vs[..., None] < S) & (u_asc[:, :, None, :] < big) & (m_num >= 0) & (m_num % r == 0)
+        m_ex = torch.div(m_num, r, rounding_mode="floor")
+        ok &= m_ex < Mq
+        cslot = torch.arange(NC, device=dev)
+        bh = torch.arange(B * H, device=dev).view(B, H, 1, 1)
+        flat = (bh * Mq + m_ex) * J + (cslot // COL_CHUNK)[:, None]
+        val = (one << (cslot % COL_CHUNK))[:, None].expand_as(flat)
+        excl = torch.zeros(B * H * Mq * J, dtype=torch.int64, device=dev)
+        excl.index_put_((flat[ok],), val[ok], accumulate=True)
+        col_bits = (bits & ~excl.view(B, H, Mq, J)).contiguous()
+        col_idx = torch.where(vs < S, vs, 0).to(i32)
+    return TileLists(BM, BN, f_idx.to(i32).contiguous(), f_cnt, f_nm, b_idx.contiguous(), b_cnt, b_nm, col_idx,
+                     col_bits)

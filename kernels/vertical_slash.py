@@ -1,0 +1,630 @@
+"""Vertical-slash sparse attention in Triton: forward and backward over generic tile and column lists.
+
+Shape legend: B batch, H query heads, Hkv key/value heads (GQA: query head h reads KV head h // (H // Hkv); K/V
+are never repeated), Sq / Sk query / key lengths (may differ), D head dim (16..256, power of two; 64 and 128
+tested), BM / BN query / key tile sizes, C = 64 gathered key columns per step.
+
+Algorithm (flash-attention 2 style, online softmax in base 2):
+
+- Forward, one program per (query tile m, batch b, query head h): loops over (1) the key tiles of
+  ``tiles.fwd_idx[b, h, m]`` that need the token mask ``k_pos <= q_pos`` (and key index < Sk), (2) the key
+  tiles that need no mask, (3) the gathered key columns: for each chunk j of 64 entries of ``tiles.col_idx[b, h]``
+  whose bitmask ``tiles.col_bits[b, h, m, j]`` is non-zero, the 64 K/V rows are gathered and the bits plus the
+  token mask select the pairs. Writes out (q.dtype, or the dtype of a given running ``out``) and the natural-log
+  ``lse`` (float32). With a running ``(out, lse)`` given, the block result is merged into it by log-sum-exp
+  inside the kernel (in place), for ring use.
+- Backward from the FINAL out and lse (``delta = rowsum(dout * out)``): three deterministic kernels, no atomics.
+  dq: one program per query tile, same loops as the forward. dk/dv of tiles: one program per (key tile, batch,
+  KV head), looping over the query heads of the group and the key-tile-major lists ``tiles.bwd_idx`` (a query
+  tile taller than ``SUB_M_BWD`` = 64 rows is walked 64 rows at a time); it owns its rows of dk/dv, so it writes
+  them once. dk/dv of gathered columns: one program per (column chunk, batch, query
+  head) looping over all query tiles whose bits are non-zero; it writes per-head partials [B, H, NC, D] that are
+  added into dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots
+  add exact zeros), which is order-independent and therefore deterministic.
+
+Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
+``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
+pair get out 0 and lse -inf; their gradients are 0.
+
+Constraints: q, k, v, dout with unit stride in the last dim (other strides are free; batch/head offsets are
+int64); positions int64/int32, increasing, |pos| < 2**31; tiles BM x BN with BM, BN >= 16 powers of two;
+fp16/bf16 (GPU) or fp32/fp16 (the Triton interpreter: tl.dot is wrong for bf16 there). float32 inputs use the
+tensor cores' tf32 on the GPU (Triton's default), about 3e-4 relative error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
+
+__all__ = [
+    "TritonBlockOp",
+    "block_backward",
+    "block_forward",
+    "vertical_slash_attention",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+POS_MAX = tl.constexpr(2**31 - 1)  # position of a key past the end: never visible
+POS_MIN = tl.constexpr(-(2**31))  # position of a query past the end: sees nothing
+
+# --------------------------------------------------------------------------------------------------------------
+# jit helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED: tl.constexpr):
+    """One online-softmax step of a [BM, D] query tile against [N, D] keys/values (scores in log2 units)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row so far: avoid -inf - -inf
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, MASKED: tl.constexpr):
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(allowed, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED: tl.constexpr):
+    """Transposed step: [N, D] keys against a [BM, D] query tile; allowed_t is [N, BM]."""
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    p_t = tl.math.exp2(s_t - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(allowed_t, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _load_rows(base, offs, stride, offs_d, n):
+    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=offs[:, None] < n, other=0.0)
+
+
+@triton.jit
+def _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, offs_m, offs_d, sqs, sds, Sq):
+    """Query-side operands of a dk/dv step; rows past Sq: q = do = 0, lse2 = +inf (p = 0), no position."""
+    row_ok = offs_m < Sq
+    q = _load_rows(q_base, offs_m, sqs, offs_d, Sq)
+    do = _load_rows(do_base, offs_m, sds, offs_d, Sq)
+    lse2 = tl.load(Lse2 + row_base + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    q_pos = tl.load(QPos + offs_m, mask=row_ok, other=POS_MIN)
+    return q, do, lse2, delta, q_pos
+
+
+@triton.jit
+def _dkdv_query_tile(dk, dv, k, v, k_pos, sel, m, q_base, do_base, Lse2, Delta, QPos, row_base, offs_m0, offs_d,
+                     sqs, sds, Sq, qk_scale, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, MASKED: tl.constexpr,
+                     HAS_SEL: tl.constexpr):
+    """dk/dv contributions of query tile m, SUB_M rows at a time (a run-time loop when BLOCK_M > SUB_M, so the
+    compiler keeps one sub-tile live: at 128 x 64 tiles and D = 128 an unrolled loop spills ~300 B/thread)."""
+    if BLOCK_M == SUB_M:
+        q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, m * BLOCK_M + offs_m0,
+                                                 offs_d, sqs, sds, Sq)
+        allowed_t = k_pos[:, None] <= q_pos[None, :]
+        if HAS_SEL:
+            allowed_t = allowed_t & sel[:, None]
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
+    else:
+        for sub in range(0, BLOCK_M // SUB_M):
+            q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base,
+                                                     m * BLOCK_M + sub * SUB_M + offs_m0, offs_d, sqs, sds, Sq)
+            allowed_t = k_pos[:, None] <= q_pos[None, :]
+            if HAS_SEL:
+                allowed_t = allowed_t & sel[:, None]
+            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
+    return dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _num_warps(bm: int, bn: int, d: int) -> int:
+    # 8 warps: at 64x64 tiles and D=128, 4 warps spill (255 registers + 200-300 B stack per thread in the
+    # forward, dq and dk/dv kernels; cuobjdump --dump-resource-usage on an sm_90 build), 8 warps do not
+    # (except dq: 72 B).
+    return 8 if d >= 64 else 4
+
+
+NUM_STAGES_FWD = 3
+NUM_STAGES_BWD = 2
+SUB_M_BWD = 64  # dk/dv kernels walk a query tile this many rows at a time (register pressure at BM = 128)
+
+# --------------------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _vs_fwd_kernel(
+    Q, K, V, Out, Lse, QPos, KPos,
+    FIdx, FCnt, FNm, ColIdx, ColBits,
+    qk_scale, Sq, Sk, H, GROUP, J,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
+    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
+    q_pos = tl.load(QPos + offs_m, mask=offs_m < Sq, other=POS_MIN)
+    k_base = K + b64 * skb + hk64 * skh
+    v_base = V + b64 * svb + hk64 * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
+    cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
+    nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
+    for i in range(0, nmask):  # tiles that need the token mask
+        t = tl.load(f_base + i)
+        offs_k = t * BLOCK_N + offs_n
+        k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
+        v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
+        k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+    for i in range(nmask, cnt):  # tiles fully visible to every query of the tile
+        t = tl.load(f_base + i)
+        offs_k = t * BLOCK_N + offs_n
+        k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
+        v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, q_pos, qk_scale, False)
+    if HAS_COLS:
+        offs_c = tl.arange(0, BLOCK_C)
+        bit_ids = offs_c.to(tl.int64)
+        c_base = ColIdx + b * sib + h * sih
+        bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
+        for j in range(0, J):
+            bits = tl.load(bits_base + j)
+            if bits != 0:
+                sel = ((bits >> bit_ids) & 1) != 0
+                cols = tl.load(c_base + j * BLOCK_C + offs_c)
+                k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=sel[:, None], other=0.0)
+                v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
+                k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
+                allowed = k_pos[None, :] <= q_pos[:, None]
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    row_ok = offs_m < Sq
+    o_ptrs = Out + b64 * sob + h64 * soh + offs_m[:, None] * sos + offs_d[None, :]
+    lse_ptrs = Lse + b * slb + h * slh + offs_m * sls
+    if HAS_PREV:  # merge into the running (out, lse) by log-sum-exp, in place
+        lse_p = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32)
+        o_p = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        mx = tl.maximum(lse_p, lse)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w_p = tl.exp(lse_p - mx)
+        w_n = tl.exp(lse - mx)
+        w = w_p + w_n
+        w_safe = tl.where(w > 0.0, w, 1.0)
+        o = (o_p * w_p[:, None] + o * w_n[:, None]) / w_safe[:, None]
+        lse = tl.where(w > 0.0, mx + tl.log(w_safe), float("-inf"))
+    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptrs, lse.to(Lse.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _vs_bwd_dq_kernel(
+    Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
+    FIdx, FCnt, FNm, ColIdx, ColBits,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, J,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
+    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_COLS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
+    do = _load_rows(DO + b64 * sdb + h64 * sdh, offs_m, sds, offs_d, Sq)
+    # Lse2 / Delta are contiguous [B, H, Sq] float32; past-the-end rows: lse2 = +inf makes p = 0
+    lse2 = tl.load(Lse2 + pid_bh * Sq + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + pid_bh * Sq + offs_m, mask=row_ok, other=0.0)
+    q_pos = tl.load(QPos + offs_m, mask=row_ok, other=POS_MIN)
+    k_base = K + b64 * skb + hk64 * skh
+    v_base = V + b64 * svb + hk64 * svh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
+    cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
+    nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
+    for i in range(0, nmask):
+        t = tl.load(f_base + i)
+        offs_k = t * BLOCK_N + offs_n
+        k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
+        v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
+        k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+    for i in range(nmask, cnt):
+        t = tl.load(f_base + i)
+        offs_k = t * BLOCK_N + offs_n
+        k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
+        v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, q_pos, qk_scale, False)
+    if HAS_COLS:
+        offs_c = tl.arange(0, BLOCK_C)
+        bit_ids = offs_c.to(tl.int64)
+        c_base = ColIdx + b * sib + h * sih
+        bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
+        for j in range(0, J):
+            bits = tl.load(bits_base + j)
+            if bits != 0:
+                sel = ((bits >> bit_ids) & 1) != 0
+                cols = tl.load(c_base + j * BLOCK_C + offs_c)
+                k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=sel[:, None], other=0.0)
+                v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
+                k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
+                allowed = k_pos[None, :] <= q_pos[:, None]
+                dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+    dq_ptrs = DQ + pid_bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dq_ptrs, dq * sm_scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def _vs_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse2, Delta, DK, DV, QPos, KPos,
+    BIdx, BCnt, BNm,
+    qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
+    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, SUB_M)  # query tiles are walked SUB_M rows at a time
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = _load_rows(K + b64 * skb + hk64 * skh, offs_n, sks, offs_d, Sk)
+    v = _load_rows(V + b64 * svb + hk64 * svh, offs_n, svs, offs_d, Sk)
+    k_pos = tl.load(KPos + offs_n, mask=offs_n < Sk, other=POS_MAX)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for g in range(0, GROUP):  # every query head reading this KV head: no atomics, one writer per dk row
+        h = hk * GROUP + g
+        q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b64 * sdb + h.to(tl.int64) * sdh
+        row_base = (b * H + h) * Sq
+        f_base = BIdx + b * sfb + h * sfh + pid_n * sfm
+        cnt = tl.load(BCnt + b * scb + h * sch + pid_n * scm)
+        nmask = tl.load(BNm + b * snb + h * snh + pid_n * snm)
+        for i in range(0, nmask):
+            m = tl.load(f_base + i)
+            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, k_pos, m, q_base, do_base, Lse2, Delta, QPos, row_base,
+                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, True, False)
+        for i in range(nmask, cnt):
+            # a ragged last query tile may be "unmasked": its missing rows have p = 0 (see _load_q_side)
+            m = tl.load(f_base + i)
+            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, k_pos, m, q_base, do_base, Lse2, Delta, QPos, row_base,
+                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, False, False)
+    out_off = pid_bk.to(tl.int64) * Sk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_off, dk * sm_scale, mask=offs_n[:, None] < Sk)
+    tl.store(DV + out_off, dv, mask=offs_n[:, None] < Sk)
+
+
+@triton.jit
+def _vs_bwd_dkdv_cols_kernel(
+    Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
+    ColIdx, ColBits,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
+    sib, sih, sbb, sbh, sbm,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SUB_M: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_m0 = tl.arange(0, SUB_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    bit_ids = offs_c.to(tl.int64)
+    cols = tl.load(ColIdx + b * sib + h * sih + pid_j * BLOCK_C + offs_c)
+    k = tl.load(K + b64 * skb + hk64 * skh + cols[:, None] * sks + offs_d[None, :])  # padding slots hold column 0
+    v = tl.load(V + b64 * svb + hk64 * svh + cols[:, None] * svs + offs_d[None, :])
+    k_pos = tl.load(KPos + cols)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
+    do_base = DO + b64 * sdb + h.to(tl.int64) * sdh
+    row_base = pid_bh * Sq
+    bits_base = ColBits + b * sbb + h * sbh + pid_j
+    dk = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
+    for m in range(0, Mq):
+        bits = tl.load(bits_base + m * sbm)
+        if bits != 0:
+            sel = ((bits >> bit_ids) & 1) != 0
+            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, sel, m, q_base, do_base, Lse2, Delta, QPos, row_base,
+                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, True, True)
+    out_off = ((pid_bh * NC + pid_j * BLOCK_C + offs_c[:, None]) * HEAD_DIM).to(tl.int64) + offs_d[None, :]
+    tl.store(DKC + out_off, dk * sm_scale)
+    tl.store(DVC + out_off, dv)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
+    """Strides of the first ``nd`` dims, 0 where the dim has size 1 (lists broadcast over batch and heads)."""
+    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(nd)]
+
+
+def _check_lists(tiles: TileLists, B: int, H: int, Sq: int, Sk: int) -> None:
+    Mq, Nk = -(-Sq // tiles.block_m), -(-Sk // tiles.block_n)
+    ok = tiles.fwd_idx.shape[2] == Mq and tiles.bwd_idx.shape[2] == Nk
+    for t in (tiles.fwd_idx, tiles.bwd_idx):
+        ok = ok and t.shape[0] in (1, B) and t.shape[1] in (1, H) and t.dtype == torch.int32 and t.stride(-1) == 1
+    if tiles.col_idx is not None:
+        ok = ok and tiles.col_bits.shape[2] == Mq and tiles.col_idx.shape[-1] == tiles.col_bits.shape[-1] * COL_CHUNK
+        ok = ok and tiles.col_idx.stride(-1) == 1 and tiles.col_bits.stride(-1) == 1
+    if not ok:
+        raise ValueError(
+            f"tile lists (fwd {tuple(tiles.fwd_idx.shape)}, bwd {tuple(tiles.bwd_idx.shape)}, blocks "
+            f"{tiles.block_m}x{tiles.block_n}) do not fit B={B}, H={H}, Sq={Sq}, Sk={Sk}"
+        )
+
+
+def _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape != (B, Hkv, Sk, D) or v.shape != k.shape or H % Hkv:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head dim {D} not supported (power of two in 16..256)")
+    if q_pos.shape != (Sq,) or k_pos.shape != (Sk,):
+        raise ValueError(f"positions {tuple(q_pos.shape)}/{tuple(k_pos.shape)} do not match lengths {Sq}/{Sk}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    if tiles is None:
+        tiles = dense_tile_lists(q_pos, k_pos, block_m, block_n)
+    _check_lists(tiles, B, H, Sq, Sk)
+    return q, k, v, q_pos, k_pos, tiles
+
+
+def _list_args(tiles: TileLists, which: str):
+    idx, cnt, nm = (getattr(tiles, f"{which}_{n}") for n in ("idx", "cnt", "nmask"))
+    return (idx, cnt, nm), [*_bstrides(idx), *_bstrides(cnt), *_bstrides(nm)]
+
+
+def _col_args(tiles: TileLists, dummy: torch.Tensor):
+    if tiles.col_idx is None:
+        return (dummy, dummy), [0, 0, 0, 0, 0], 0
+    ci, cb = tiles.col_idx, tiles.col_bits
+    return (ci, cb), [*_bstrides(ci, 2), *_bstrides(cb)], cb.shape[-1]
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B,H,Sq,D] against k/v [B,Hkv,Sk,D] over ``tiles`` (None: dense causal by positions).
+
+    Returns ``(out [B,H,Sq,D], lse [B,H,Sq] float32, natural log)``. If ``out`` and ``lse`` are given (a running
+    result, any float dtype for out), the block is merged into them by log-sum-exp in place and they are returned.
+    """
+    q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    has_prev = out is not None
+    if has_prev != (lse is not None):
+        raise ValueError("give both out and lse (a running result) or neither")
+    if has_prev:
+        if out.shape != q.shape or lse.shape != (B, H, Sq) or out.stride(-1) != 1:
+            raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
+    else:
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    BM, BN = tiles.block_m, tiles.block_n
+    (fi, fc, fn), fstr = _list_args(tiles, "fwd")
+    (ci, cb), cstr, J = _col_args(tiles, fc)
+    grid = (triton.cdiv(Sq, BM), B * H)
+    _vs_fwd_kernel[grid](
+        q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb,
+        scale * LOG2E, Sq, Sk, H, H // Hkv, J,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
+        *fstr, *cstr,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, HAS_COLS=J > 0, HAS_PREV=has_prev,
+        num_warps=_num_warps(BM, BN, D), num_stages=NUM_STAGES_FWD,
+    )
+    return out, lse
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (float32) of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
+
+    Deterministic: every output element is written by one program, plus (gathered columns only) one ``index_add_``
+    per query head of a KV group with unique indices.
+    """
+    q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # [B, H, Sq]
+    lse2 = torch.where(torch.isneginf(lse), torch.inf, lse.float() * LOG2E).contiguous()  # no key: p = 0
+    dq = torch.empty(B, H, Sq, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(dk)
+    BM, BN = tiles.block_m, tiles.block_n
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
+    (fi, fc, fn), fstr = _list_args(tiles, "fwd")
+    (ci, cb), cstr, J = _col_args(tiles, fc)
+    nw = _num_warps(BM, BN, D)
+    _vs_bwd_dq_kernel[(triton.cdiv(Sq, BM), B * H)](
+        q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
+        scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, HAS_COLS=J > 0,
+        num_warps=nw, num_stages=NUM_STAGES_BWD,
+    )
+    (bi, bc, bn), bstr = _list_args(tiles, "bwd")
+    _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
+        q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
+        scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=min(BM, SUB_M_BWD), num_warps=_num_warps(SUB_M_BWD, BN, D),
+        num_stages=NUM_STAGES_BWD,
+    )
+    if J > 0:
+        NC = J * COL_CHUNK
+        dkc = torch.empty(B, H, NC, D, dtype=torch.float32, device=q.device)
+        dvc = torch.empty_like(dkc)
+        _vs_bwd_dkdv_cols_kernel[(J, B * H)](
+            q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
+            scale * LOG2E, scale, Sq, Sk, H, G, triton.cdiv(Sq, BM), NC, *strides, *cstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=COL_CHUNK, SUB_M=min(BM, SUB_M_BWD), num_warps=_num_warps(BM, COL_CHUNK, D),
+            num_stages=NUM_STAGES_BWD,
+        )
+        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col
+        cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
+        base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
+        dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
+        dkc5, dvc5 = dkc.view(B, Hkv, G, NC, D), dvc.view(B, Hkv, G, NC, D)
+        for g in range(G):
+            rows = (base + cols[:, :, g]).reshape(-1)
+            dk2.index_add_(0, rows, dkc5[:, :, g].reshape(-1, D))
+            dv2.index_add_(0, rows, dvc5[:, :, g].reshape(-1, D))
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# autograd Function and block op
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _VerticalSlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale):
+        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
+        ctx.tiles, ctx.scale = tiles, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tiles: TileLists,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Differentiable attention over ``tiles`` (positions default to 0..S-1); returns [B, H, Sq, D]."""
+    if q_pos is None:
+        q_pos = torch.arange(q.shape[2], device=q.device)
+    if k_pos is None:
+        k_pos = torch.arange(k.shape[2], device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale)
+
+
+class TritonBlockOp:
+    """The ring's per-block op protocol (``lightning_mtraining.attention_ops``) on the Triton kernels, dense.
+
+    ``forward`` returns (out in q.dtype, lse float32); ``backward`` takes the FINAL merged (out, lse) and returns
+    float32 (dq, dk, dv). Tile lists come from :func:`dense_tile_lists` on every call
+    (O((Sq/BM) * (Sk/BN)) torch work on the device); cache them per position pair if that shows in a profile.
+    """
+
+    def __init__(self, block_m: int = 64, block_n: int = 64) -> None:
+        self.block_m, self.block_n = block_m, block_n
+
+    def forward(self, q, k, v, q_pos, k_pos, scale):
+        return block_forward(q, k, v, q_pos, k_pos, scale, block_m=self.block_m, block_n=self.block_n)
+
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
+        return block_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, block_m=self.block_m,
+                              block_n=self.block_n)
+
+    def differentiable(self, q, k, v, q_pos, k_pos, scale):
+        """The block's output with its own autograd (a ring of one step needs no merge)."""
+        tiles = dense_tile_lists(q_pos.to(q.device), k_pos.to(q.device), self.block_m, self.block_n)
+        return vertical_slash_attention(q, k, v, tiles, q_pos, k_pos, scale)
+
+    def __repr__(self) -> str:
+        return f"TritonBlockOp(block_m={self.block_m}, block_n={self.block_n})"

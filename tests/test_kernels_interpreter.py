@@ -1,0 +1,296 @@
+"""Triton vertical-slash kernels in the Triton interpreter (CPU), against float64 dense-masked references.
+
+The checks run in ONE subprocess with ``TRITON_INTERPRET=1`` set before triton is imported (the variable must not
+leak into other test modules, which may import triton compiled), and report one result per check as JSON; each
+pytest test asserts its own entry. Run this file directly to see the checks' output:
+``TRITON_INTERPRET=1 python tests/test_kernels_interpreter.py``.
+
+Tolerances: the interpreter's ``tl.dot`` is exact float32 (numpy), so float32 kernels agree with a float64
+reference to float32 rounding of a softmax over <= a few hundred keys: 1e-5 absolute on O(1) values is ample
+(seen ~1e-6). float16 inputs: the kernel rounds P and dS to float16 before the second matmul (as on the GPU);
+we hold it to twice the error of the same computation done in torch in float16 (flash-attention's rule), plus
+a small floor for near-zero errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECKS = [
+    "pattern_fp32_gqa_ragged_per_head",
+    "pattern_per_group_d64",
+    "pattern_empty",
+    "pattern_full_equals_dense_causal",
+    "dense_lists_merge_two_blocks",
+    "columns_not_counted_twice",
+    "fp16_d128",
+    "backward_deterministic",
+    "triton_block_op_matches_torch_block_op",
+    "rectangular_tiles_and_dkdv_subtiles",
+]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--json"], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert lines, f"interpreter checks crashed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_interpreter(interpreter_results, name):
+    assert interpreter_results.get(name) == "ok", interpreter_results.get(name, "missing")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks (run only in the subprocess, with TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _shim_interpreter() -> None:
+    """Triton 3.6's interpreter stores scalars as 1-element arrays and converts them with int(), which numpy >= 2.4
+    refuses ("only 0-dimensional arrays..."): loop bounds loaded from memory then fail. Test-only shim."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+def _run_checks() -> dict[str, str]:
+    import traceback
+
+    import torch
+
+    _shim_interpreter()
+    from mtraining_kernels.indexing import COL_CHUNK, dense_tile_lists, expand_pattern, pattern_tile_lists
+    from mtraining_kernels.reference import attention_ref, tile_lists_mask, vertical_slash_mask
+    from mtraining_kernels.vertical_slash import block_backward, block_forward
+
+    def ref_grads(q, k, v, mask, scale, dout):
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        out, lse = attention_ref(qd, kd, vd, mask, scale)
+        out.backward(dout.double())
+        return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+    def close(name, got, want, atol, rtol=0.0):
+        got, want = got.double(), want.double()
+        if not got.numel():
+            return
+        err = (got - want).abs().max().item()
+        if not (torch.isfinite(got).all() and err <= atol + rtol * want.abs().max().item()):
+            raise AssertionError(f"{name}: max abs err {err:.3e} > {atol:.1e} (+{rtol} rel)")
+
+    def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None):
+        q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+        dout = torch.randn(B, H, S, D)
+        q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+        vi_h, si_h = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
+        tiles = pattern_tile_lists(vi_h, si_h, S, T, TN)
+        pos = torch.arange(S)
+        mask = vertical_slash_mask(vi_h, si_h, S, T, block_n=TN)
+        assert torch.equal(mask, tile_lists_mask(tiles, pos, pos)), "lists != definition"
+        scale = D**-0.5
+        out, lse = block_forward(q, k, v, pos, pos, scale, tiles=tiles)
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, pos, pos, scale, tiles=tiles)
+        r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, k, v, mask, scale, dout)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(r_lse)), "rows without keys differ"
+        fin = torch.isfinite(r_lse)
+        close("lse", lse[fin], r_lse[fin], atol)
+        close("out", out, r_out, atol)
+        for n, g, r in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+            close(n, g, r, atol)
+        return q, k, v, dout, mask, tiles, (out, lse, dq, dk, dv)
+
+    def pattern_fp32_gqa_ragged_per_head():
+        B, H, Hkv, S, D, T = 2, 4, 2, 150, 32, 16  # ragged: 150 = 9*16 + 6
+        vi = torch.randint(0, S, (B, H, 24))
+        si = torch.randint(0, S, (B, H, 5))
+        si[..., 0] = 0
+        # per-head budgets: pad some heads with -1
+        vi[0, 1, 10:] = -1
+        vi[1, 3, :] = -1
+        si[1, 2, 2:] = -1
+        si[0, 3, :] = -1  # no slash at all: only gathered columns (no diagonal tile either)
+        check_pattern(B, H, Hkv, S, D, T, vi, si)
+
+    def pattern_per_group_d64():
+        B, H, Hkv, S, D, T = 1, 6, 2, 97, 64, 32
+        vi = torch.randint(-1, S, (B, Hkv, 9))
+        si = torch.tensor([[[0, 40, -1], [3, 64, 90]]])
+        check_pattern(B, H, Hkv, S, D, T, vi, si)
+
+    def pattern_empty():
+        B, H, Hkv, S, D, T = 1, 2, 1, 70, 16, 16
+        vi = torch.full((B, H, 3), -1)
+        si = torch.full((B, H, 2), -1)
+        *_, (out, lse, dq, dk, dv) = check_pattern(B, H, Hkv, S, D, T, vi, si)
+        assert torch.isneginf(lse).all() and (out == 0).all(), "empty pattern must give out 0, lse -inf"
+        assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+    def pattern_full_equals_dense_causal():
+        B, H, Hkv, S, D, T = 1, 2, 1, 83, 32, 16
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        for vi, si in (
+            (torch.arange(S).view(1, 1, S), torch.full((1, 1, 1), -1)),  # every key as a vertical
+            (torch.full((1, 1, 1), -1), torch.arange(0, S, T).view(1, 1, -1)),  # every tile diagonal
+            (torch.arange(S).view(1, 1, S), torch.arange(S).view(1, 1, S)),  # both (verticals all covered)
+        ):
+            _, _, _, _, mask, _, _ = check_pattern(B, H, Hkv, S, D, T, vi, si)
+            assert torch.equal(mask[0, 0], causal), "a covering pattern must be dense causal"
+
+    def dense_lists_merge_two_blocks():
+        # ring-like: queries at striped global positions against two K/V chunks of other lengths/positions
+        B, H, Hkv, D = 2, 3, 1, 32
+        q_pos = torch.tensor([i for i in range(200) if (i // 16) % 3 == 1])[:37]
+        k_pos1 = torch.tensor([i for i in range(20, 200) if (i // 16) % 3 == 0])[:45]  # queries 16..19 see nothing
+        k_pos2 = torch.tensor([i for i in range(200) if (i // 16) % 3 == 2])[:29]
+        q = torch.randn(B, H, len(q_pos), D)
+        k1, v1 = torch.randn(B, Hkv, len(k_pos1), D), torch.randn(B, Hkv, len(k_pos1), D)
+        k2, v2 = torch.randn(B, Hkv, len(k_pos2), D), torch.randn(B, Hkv, len(k_pos2), D)
+        dout = torch.randn_like(q)
+        scale = 0.3
+        t1, t2 = dense_tile_lists(q_pos, k_pos1, 16, 16), dense_tile_lists(q_pos, k_pos2, 16, 32)
+        out, lse = block_forward(q, k1, v1, q_pos, k_pos1, scale, tiles=t1)
+        out, lse = block_forward(q, k2, v2, q_pos, k_pos2, scale, tiles=t2, out=out, lse=lse)
+        out0, _ = block_forward(q, k1, v1, q_pos, k_pos1, scale)  # tiles=None: dense by positions
+        kc, vc, kp = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), torch.cat([k_pos1, k_pos2])
+        mask = kp[None, :] <= q_pos[:, None]
+        r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, kc, vc, mask, scale, dout)
+        fin = torch.isfinite(r_lse)
+        assert (~fin).any() and torch.equal(torch.isneginf(lse), ~fin), "rows with no key must have lse -inf"
+        close("merged out", out, r_out, 1e-5)
+        close("merged lse", lse[fin], r_lse[fin], 1e-5)
+        r_out1, _ = attention_ref(q.double(), k1.double(), v1.double(), k_pos1[None, :] <= q_pos[:, None], scale)
+        close("dense tiles=None", out0, r_out1, 1e-5)
+        dq1, dk1, dv1 = block_backward(q, k1, v1, out, lse, dout, q_pos, k_pos1, scale, tiles=t1)
+        dq2, dk2, dv2 = block_backward(q, k2, v2, out, lse, dout, q_pos, k_pos2, scale, tiles=t2)
+        close("dq", dq1 + dq2, r_dq, 1e-5)
+        close("dk", torch.cat([dk1, dk2], 2), r_dk, 1e-5)
+        close("dv", torch.cat([dv1, dv2], 2), r_dv, 1e-5)
+
+    def columns_not_counted_twice():
+        # verticals inside computed tiles (the local window) must not be gathered again
+        S, T = 128, 16
+        vi = torch.arange(0, S, 3).view(1, 1, -1)
+        si = torch.tensor([[[0, 20]]])
+        tiles = pattern_tile_lists(vi, si, S, T)
+        Mq = tiles.num_q_tiles
+        bits = (tiles.col_bits[..., None] >> torch.arange(COL_CHUNK)) & 1
+        bits = bits.reshape(Mq, -1).bool()
+        cols = tiles.col_idx.reshape(-1).long()
+        for m in range(Mq):
+            live = set(tiles.fwd_idx[0, 0, m, : tiles.fwd_cnt[0, 0, m]].tolist())
+            gathered = cols[bits[m]]
+            assert not any(int(c) // T in live for c in gathered), f"tile {m} gathers a covered column"
+            assert len(set(gathered.tolist())) == len(gathered), "duplicate gathered column"
+        check_pattern(1, 2, 1, S, 32, T, vi, si)
+
+    def fp16_d128():
+        B, H, Hkv, S, D, T = 1, 2, 1, 90, 128, 32
+        vi = torch.randint(0, S, (B, Hkv, 7))
+        si = torch.tensor([[[0, 33]]])
+        q, k, v = (torch.randn(B, h, S, D) for h in (H, Hkv, Hkv))
+        dout = torch.randn(B, H, S, D)
+        vi_h, si_h = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
+        tiles = pattern_tile_lists(vi_h, si_h, S, T)
+        mask = vertical_slash_mask(vi_h, si_h, S, T)
+        pos = torch.arange(S)
+        scale = D**-0.5
+        h16 = [t.half() for t in (q, k, v, dout)]
+        out, lse = block_forward(*h16[:3], pos, pos, scale, tiles=tiles)
+        grads = block_backward(*h16[:3], out, lse, h16[3], pos, pos, scale, tiles=tiles)
+        ref = ref_grads(*h16[:3], mask, scale, h16[3])  # float64 of the float16-rounded inputs
+        # torch in float32 on float16 inputs with float16 outputs/grads: the "same precision" computation
+        qt, kt, vt = (t.float().requires_grad_(True) for t in h16[:3])
+        o_t, _ = attention_ref(qt, kt, vt, mask, scale)
+        o_t.half().float().backward(h16[3].float())
+        torch_res = [o_t.detach().half(), qt.grad.half(), kt.grad.half(), vt.grad.half()]
+        for n, got, want, tor in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:]), torch_res):
+            tol = 2 * (tor.double() - want).abs().max().item() + 2e-3
+            close(f"fp16 {n}", got, want, tol)
+
+    def backward_deterministic():
+        B, H, Hkv, S, D, T = 1, 4, 1, 64, 16, 16
+        vi = torch.randint(0, S, (B, H, 20))
+        si = torch.tensor([[[0], [16], [0], [40]]])
+        q, k, v, dout, mask, tiles, (out, lse, dq, dk, dv) = check_pattern(B, H, Hkv, S, D, T, vi, si)
+        pos = torch.arange(S)
+        for _ in range(2):
+            again = block_backward(q, k, v, out, lse, dout, pos, pos, D**-0.5, tiles=tiles)
+            assert all(torch.equal(a, b) for a, b in zip(again, (dq, dk, dv))), "backward not bit-identical"
+
+    def triton_block_op_matches_torch_block_op():
+        # the ring's op protocol (lightning_mtraining.attention_ops): same outputs, dtypes and gradients
+        from lightning_mtraining.attention_ops import TorchBlockOp
+        from mtraining_kernels.vertical_slash import TritonBlockOp
+
+        B, H, Hkv, D = 1, 4, 2, 32
+        q_pos = torch.arange(40, 95)
+        k_pos = torch.arange(0, 81)
+        q = torch.randn(B, H, len(q_pos), D)
+        k, v = torch.randn(B, Hkv, len(k_pos), D), torch.randn(B, Hkv, len(k_pos), D)
+        dout = torch.randn_like(q)
+        tri, ref = TritonBlockOp(16, 16), TorchBlockOp()
+        (o1, l1), (o2, l2) = tri.forward(q, k, v, q_pos, k_pos, 0.2), ref.forward(q, k, v, q_pos, k_pos, 0.2)
+        assert o1.dtype == o2.dtype and l1.dtype == l2.dtype == torch.float32
+        close("op out", o1, o2, 1e-5)
+        close("op lse", l1, l2, 1e-5)
+        g1 = tri.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2)
+        g2 = ref.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2)
+        for n, a, b in zip(("dq", "dk", "dv"), g1, g2):
+            assert a.dtype == b.dtype == torch.float32, n
+            close(f"op {n}", a, b, 1e-5)
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        o3 = tri.differentiable(qg, kg, vg, q_pos, k_pos, 0.2)
+        o3.backward(dout)
+        close("differentiable out", o3.detach(), o2, 1e-5)
+        for n, a, b in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), g2):
+            close(f"differentiable {n}", a, b, 1e-5)
+
+    def rectangular_tiles_and_dkdv_subtiles():
+        # 32 x 16 tiles (block_m = 2 block_n), and the dk/dv kernels walking each query tile in two halves
+        import mtraining_kernels.vertical_slash as vs
+
+        B, H, Hkv, S, D = 1, 4, 2, 150, 16
+        vi = torch.randint(-1, S, (B, H, 12))
+        si = torch.tensor([[[0, 17, -1], [5, 40, 100], [-1, -1, -1], [33, 0, 1]]])
+        old = vs.SUB_M_BWD
+        try:
+            for sub in (old, 16):
+                vs.SUB_M_BWD = sub
+                check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16)
+                check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16)
+        finally:
+            vs.SUB_M_BWD = old
+
+    results = {}
+    for name in CHECKS:
+        torch.manual_seed(0)
+        try:
+            locals()[name]()
+            results[name] = "ok"
+        except Exception:  # report, do not stop: each check has its own pytest test
+            results[name] = traceback.format_exc(limit=4)
+        print(name, "ok" if results[name] == "ok" else results[name], flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    res = _run_checks()
+    if "--json" in sys.argv:
+        print("RESULTS " + json.dumps(res))
+    sys.exit(0 if all(r == "ok" for r in res.values()) else 1)
