@@ -1,0 +1,147 @@
+"""``MTrainingFabricStrategy``: data parallel x context parallel for Lightning Fabric.
+
+The same arguments and behaviour as :class:`~lightning_mtraining.strategy.MTrainingStrategy` (the shared
+logic lives in :class:`~lightning_mtraining.strategy.ContextParallelMixin`). Fabric never calls
+``batch_to_device``, so sharding happens in the dataloader: ``fabric.setup_dataloaders(loader)`` returns a
+loader whose batches are already on the device and sharded for this rank (and the DistributedSampler Fabric
+injects uses the data-parallel rank/size). Batches from elsewhere: ``fabric.strategy.shard_batch(batch)``.
+
+    fabric = Fabric(strategy=MTrainingFabricStrategy(block_size=128), devices=4)   # or strategy="mtraining"
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)       # HF models switched to ring attention here
+    loader = fabric.setup_dataloaders(loader)               # batches sharded along the sequence
+    for batch in loader:
+        loss = model(**batch).loss                          # exact full-sequence loss value on every rank
+        fabric.backward(loss)
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Iterator, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch.nn import Module
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_mtraining.callback import SparseAttentionCallback
+from lightning_mtraining.pattern import SparsityConfig
+from lightning_mtraining.strategy import ContextParallelMixin, check_context_parallel_args
+
+__all__ = ["MTrainingFabricStrategy"]
+
+
+class _ShardingDataLoader:
+    """Iterates a DataLoader, moving each batch to the device and sharding it for this rank.
+
+    Looks like the wrapped loader to Fabric (its attributes are copied, as Fabric's own wrapper does), so
+    sampler epochs and ``len()`` keep working.
+    """
+
+    def __init__(self, dataloader: DataLoader, strategy: MTrainingFabricStrategy) -> None:
+        self.__dict__.update(dataloader.__dict__)
+        self._dataloader = dataloader
+        self._strategy = strategy
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._dataloader:
+            yield self._strategy.shard_batch(move_data_to_device(batch, self._strategy.root_device))
+
+
+class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
+    """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
+
+    Args:
+        context_parallel_size: ranks that share one sequence; ``"auto"`` = all ranks; must divide the world.
+        inner_ring_size: ranks of one inner ring of hierarchical ring attention; ``None`` = one node's ranks
+            when the CP group spans several nodes (flat ring otherwise).
+        layout: token layout of the shards.
+        block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
+        sparsity: vertical-slash budgets, or ``None`` for dense (exact) ring attention.
+        attention: per-layer options (Fabric has no callbacks the strategy can see, so pass it here).
+        process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
+        timeout: process-group timeout.
+        start_method: how Fabric starts processes (as in Fabric's ``DDPStrategy``).
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
+    """
+
+    strategy_name = "mtraining"
+
+    def __init__(
+        self,
+        context_parallel_size: int | Literal["auto"] = "auto",
+        inner_ring_size: int | None = None,
+        layout: Literal["striped", "zigzag", "contiguous"] = "striped",
+        block_size: int = 128,
+        sparsity: SparsityConfig | None = None,
+        attention: SparseAttentionCallback | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity)
+        self.attention = attention
+
+    @override
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        self._build_context_parallel()
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        layer_sparsity = self.attention.layer_sparsity_fn(self.sparsity) if self.attention is not None else None
+        self.prepare_models(module, layer_sparsity)
+        if self.attention is not None:
+            self.attention.check_layers(module)
+        return super().setup_module(module)
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        return _ShardingDataLoader(super().process_dataloader(dataloader), self)  # type: ignore[return-value]
+
+    @override
+    def teardown(self) -> None:
+        self.restore_models()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Data parallel x context parallel (MTraining ring attention)"
+        )
+
+
+def _register() -> None:
+    if MTrainingFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
+        MTrainingFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+_register()

@@ -1,0 +1,351 @@
+"""Hugging Face integration: ring attention as an ``AttentionInterface`` function, and a model hook.
+
+A ``transformers`` causal LM trains under context parallelism with no change to the user's code:
+
+1. :func:`prepare_model` checks the model (features ring attention cannot reproduce exactly are errors),
+   switches it to the attention function registered as ``"mtraining_ring"`` (no "flash" in the name:
+   transformers would try to fetch such a name as a hub kernel) and attaches a :class:`RingAttentionConfig`
+   to each attention module (the CP group, layout, block size, per-layer sparsity).
+2. A forward pre-hook on the outermost model gives every shard what a full sequence would have had:
+   its *global* ``position_ids`` (RoPE), globally shifted labels (``shift_labels=``) and the global target
+   count (``num_items_in_batch=``), even when ``training_step`` passes only ``input_ids`` and ``labels``.
+3. A forward hook makes the *value* of ``outputs.loss`` the exact loss of the full sequence.
+
+Note [Exact losses and gradients]
+---------------------------------
+Rank r of a CP group of size C holds a share of the sequence's N target tokens. Its loss tensor is
+``L_r = C / N * sum(local token losses)`` (``num_items_in_batch = N / C``), so ``mean_r L_r`` is the exact
+loss and DDP's gradient mean over all ``dp x cp`` ranks gives exactly the gradient of the mean over DP groups
+of each group's exact loss (what DDP computes for plain data parallelism). ``L_r`` alone is a partial sum,
+so the hook returns ``L_r + (mean_r L_r - L_r).detach()``: the value every rank sees, logs and shows in the
+progress bar is the exact loss of its CP group's sample, while the gradient is that of ``L_r``. One scalar
+all-reduce over the CP group per forward. ``self.log(..., sync_dist=True)`` then averages over DP groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mtraining.ring import ring_attention
+from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded
+
+__all__ = [
+    "ATTENTION_NAME",
+    "ContextParallelPlan",
+    "PreparedModel",
+    "RingAttentionConfig",
+    "find_hf_models",
+    "prepare_model",
+    "register_attention",
+    "ring_attention_forward",
+    "validate_model",
+]
+
+ATTENTION_NAME = "mtraining_ring"
+_CONFIG_ATTR = "_mtraining_ring"
+
+
+@dataclasses.dataclass
+class ContextParallelPlan:
+    """Where this rank sits in context parallelism, and the batch it is currently working on.
+
+    ``current`` is set by the strategy each time it shards a batch; the model hook reads it.
+    """
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    layout: str = "striped"
+    block_size: int = 128
+    group: dist.ProcessGroup | None = None
+    inner_group: dist.ProcessGroup | None = None
+    outer_group: dist.ProcessGroup | None = None
+    current: ShardedBatch | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAttentionConfig:
+    """What one attention module passes to :func:`~lightning_mtraining.ring.ring_attention`."""
+
+    group: dist.ProcessGroup | None
+    cp_size: int
+    layout: str
+    block_size: int
+    sparsity: Any = None
+    inner_group: dist.ProcessGroup | None = None
+    outer_group: dist.ProcessGroup | None = None
+
+
+def ring_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function: query ``[B, H, L, D]``, key/value ``[B, Hkv, L, D]`` -> ``[B, L, H, D]``."""
+    cfg: RingAttentionConfig | None = getattr(module, _CONFIG_ATTR, None)
+    name = type(module).__name__
+    if cfg is None:
+        raise RuntimeError(
+            f"{name} uses attn_implementation={ATTENTION_NAME!r} but was not prepared for it; train with "
+            "MTrainingStrategy / MTrainingFabricStrategy, or call lightning_mtraining.hf.prepare_model(model, plan)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{name} received an attention mask of shape {tuple(attention_mask.shape)}: custom attention masks are "
+            "not supported by ring attention (only causal attention with right padding, handled by the strategy)"
+        )
+    if dropout:
+        raise ValueError(f"{name}: attention dropout ({dropout}) is not supported by ring attention; set it to 0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{name}: attention logit soft-capping is not supported by ring attention")
+    window = kwargs.get("sliding_window")
+    global_len = query.shape[2] * cfg.cp_size
+    if window is not None and window < global_len:
+        raise ValueError(
+            f"{name}: sliding-window attention (window {window} < sequence length {global_len}) is not supported by "
+            "ring attention, which computes full causal attention"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{name} is not causal; ring attention only computes causal attention")
+    # Under autocast (precision="bf16-mixed") RoPE returns float32 q/k while v is bfloat16: run attention in
+    # the autocast dtype, as SDPA would; otherwise in the query's dtype.
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out = ring_attention(
+        query,
+        key,
+        value,
+        group=cfg.group,
+        layout=cfg.layout,
+        block_size=cfg.block_size,
+        sparsity=cfg.sparsity,
+        inner_group=cfg.inner_group,
+        outer_group=cfg.outer_group,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register :func:`ring_attention_forward` as ``"mtraining_ring"`` with ``transformers`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ring_attention_forward)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+def find_hf_models(root: nn.Module) -> list[nn.Module]:
+    """The outermost ``transformers.PreTrainedModel`` instances inside ``root`` (``root`` itself included)."""
+    found: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if _is_hf_model(m):
+            found.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    # HF attention modules hold their layer index and causality flag; decoder layers do not hold is_causal.
+    return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx") and m is not model]
+
+
+def validate_model(model: nn.Module) -> None:
+    """Raise a clear error if ring attention cannot reproduce ``model``'s attention exactly."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+
+    def fail(feature: str, advice: str) -> None:
+        raise ValueError(f"{name} cannot be trained with MTraining ring attention: {feature}. {advice}")
+
+    if not getattr(model, "_supports_attention_backend", False):
+        fail(
+            "unknown attention (the model does not dispatch through transformers' AttentionInterface)",
+            "Use a model whose attention supports `attn_implementation` (Llama, Qwen2, Mistral, ...).",
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        fail(
+            f"layer types {other} (sliding-window or other non-full attention) are in use",
+            "Only full causal attention layers are supported.",
+        )
+    # Configs without layer_types (Mistral) apply config.sliding_window to every layer when it is set.
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and not layer_types:
+        fail(
+            f"sliding-window attention is in use (config.sliding_window={config.sliding_window})",
+            "Set config.sliding_window = None if full causal attention is what you want.",
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        fail(f"attention logit soft-capping (config.attn_logit_softcapping={config.attn_logit_softcapping})",
+             "Ring attention computes plain softmax attention.")
+    if getattr(config, "attention_dropout", 0.0):
+        fail(f"attention dropout (config.attention_dropout={config.attention_dropout})", "Set it to 0.0.")
+    modules = _attention_modules(model)
+    if not modules:
+        fail("unknown attention (no attention module with `is_causal` and `layer_idx` found)",
+             "Use a model whose attention supports `attn_implementation` (Llama, Qwen2, Mistral, ...).")
+    non_causal = [type(m).__name__ for m in modules if m.is_causal is False]
+    if non_causal or getattr(config, "is_causal", True) is False:
+        where = non_causal[0] if non_causal else "config.is_causal=False"
+        fail(f"non-causal attention ({where})", "Ring attention computes causal attention only.")
+
+
+class PreparedModel:
+    """A model switched to ring attention with its hooks installed; :meth:`restore` undoes everything."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ContextParallelPlan,
+        layer_sparsity: Callable[[int], Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self._previous_attn = model.config._attn_implementation
+        self._forward_params = list(inspect.signature(model.forward).parameters)
+        self._scale_loss = False
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise ValueError(
+                f"{type(model).__name__} did not accept attn_implementation={ATTENTION_NAME!r} "
+                f"(it kept {model.config._attn_implementation!r}): unknown attention"
+            )
+        self.attention_modules = _attention_modules(model)
+        for m in self.attention_modules:
+            sparsity = layer_sparsity(m.layer_idx) if layer_sparsity is not None else None
+            setattr(
+                m,
+                _CONFIG_ATTR,
+                RingAttentionConfig(
+                    plan.group, plan.cp_size, plan.layout, plan.block_size, sparsity, plan.inner_group,
+                    plan.outer_group,
+                ),
+            )
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+
+    def restore(self) -> None:
+        """Remove the hooks and per-layer configs and restore the previous attention implementation."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m in self.attention_modules:
+            if hasattr(m, _CONFIG_ATTR):
+                delattr(m, _CONFIG_ATTR)
+        self.model.set_attn_implementation(self._previous_attn)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        name = type(module).__name__
+        if args:  # positional call, e.g. model(input_ids): name the arguments so they can be inspected
+            if len(args) > len(self._forward_params):
+                raise TypeError(f"{name}.forward got {len(args)} positional arguments")
+            kwargs = {**dict(zip(self._forward_params, args)), **kwargs}
+        plan, cur = self.plan, self.plan.current
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None:
+            raise ValueError(f"{name} was called without input_ids or inputs_embeds")
+        if cur is None:
+            raise RuntimeError(
+                f"{name} was called under context parallelism before any batch was sharded; pass the model the "
+                "batch the strategy gives training_step/validation_step (Fabric: iterate the dataloader returned by "
+                "fabric.setup_dataloaders, or call strategy.shard_batch(batch))"
+            )
+        if x.shape[1] != cur.local_len:
+            raise ValueError(
+                f"{name} received a sequence of {x.shape[1]} tokens, but this rank's shard of the current batch has "
+                f"{cur.local_len} (global {cur.padded_len} = {plan.cp_size} ranks x {cur.local_len}); pass the "
+                "sharded batch the strategy gives you, not the full sequence"
+            )
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError(f"{name}: a KV cache (past_key_values) is not supported under context parallelism")
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2:
+                raise ValueError(
+                    f"{name} received a {mask.dim()}D attention mask: custom attention masks are not supported by "
+                    "ring attention"
+                )
+            # A 2D padding mask was checked (right padding only) when the batch was sharded; causality makes
+            # it a no-op for every real token, and padded targets are -100.
+            kwargs["attention_mask"] = None
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = cur.position_ids
+        if kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False
+        labels = kwargs.get("labels")
+        self._scale_loss = labels is not None
+        if labels is None:
+            return (), kwargs
+        count: Any = None
+        if kwargs.get("shift_labels") is None:
+            found = cur.targets_for(labels)
+            if found is None:  # labels built in training_step: shift them over the CP group
+                found = shift_labels_sharded(
+                    labels, cur.valid, group=plan.group, cp_rank=plan.cp_rank, cp_size=plan.cp_size,
+                    layout=plan.layout, block_size=plan.block_size,
+                )
+            kwargs["shift_labels"], count = found
+        num_items = kwargs.get("num_items_in_batch")
+        if num_items is None:
+            if count is None:  # the user passed shift_labels: count the targets over the group
+                local = (kwargs["shift_labels"] != IGNORE_INDEX).sum()
+                if plan.cp_size > 1:
+                    dist.all_reduce(local, group=plan.group)
+                count = int(local)
+            num_items = max(count, 1)
+        # Each rank's loss is C / N * (its token-loss sum); see Note [Exact losses and gradients].
+        kwargs["num_items_in_batch"] = num_items / plan.cp_size
+        return (), kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._scale_loss or self.plan.cp_size == 1:
+            return output
+        self._scale_loss = False
+        loss = output["loss"] if isinstance(output, dict) else (output[0] if isinstance(output, tuple) else None)
+        if loss is None:
+            return output
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.plan.group)
+        exact = loss + (total / self.plan.cp_size - loss.detach())
+        if isinstance(output, dict):
+            output["loss"] = exact
+            return output
+        return (exact, *output[1:])
+
+
+def prepare_model(
+    model: nn.Module, plan: ContextParallelPlan, layer_sparsity: Callable[[int], Any] | None = None
+) -> PreparedModel:
+    """Validate ``model`` and switch it to ring attention under ``plan`` (see the module docstring)."""
+    validate_model(model)
+    return PreparedModel(model, plan, layer_sparsity)
