@@ -25,5 +25,21 @@ __all__ = [
 ]
 
 # --- kernels / sparse (issue 4) -----------------------------------------------------------
+from lightning_mtraining.sparse import sparse_attention
+
+__all__ += ["sparse_attention"]
 
 # --- integration (issue 3) ----------------------------------------------------------------
+# Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
+from lightning_mtraining.callback import SparseAttentionCallback
+from lightning_mtraining.fabric import MTrainingFabricStrategy
+from lightning_mtraining.pattern import SparsityConfig
+from lightning_mtraining.strategy import MTrainingStrategy
+
+__all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback", "SparsityConfig"]
+
+# Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
+# litdata is absent from the GPU image, and `import lightning_mtraining` must work there.
+from lightning_mtraining.metrics import AttentionDensity, TokenPerplexity, TokensPerSecond, TokenWeightedLoss
+
+__all__ += ["AttentionDensity", "TokenPerplexity", "TokensPerSecond", "TokenWeightedLoss"]
