@@ -34,7 +34,7 @@ valid slash offsets of that head. Tile (query tile m, key tile t) has offset u =
 
 Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
-are int32; three host syncs read list lengths.
+are int32; three host syncs read list lengths (L, the key-major list length, and the column count).
 """
 
 from __future__ import annotations
@@ -248,10 +248,11 @@ def pattern_tile_lists(
         ok &= m_ex < Mq
         cslot = torch.arange(NC, device=dev)
         bh = torch.arange(B * H, device=dev).view(B, H, 1, 1)
-        flat = (bh * Mq + m_ex) * J + (cslot // COL_CHUNK)[:, None]
-        val = (one << (cslot % COL_CHUNK))[:, None].expand_as(flat)
+        flat = (bh * Mq + m_ex.clamp(0, Mq - 1)) * J + (cslot // COL_CHUNK)[:, None]
+        val = torch.where(ok, (one << (cslot % COL_CHUNK))[:, None], 0)
         excl = torch.zeros(B * H * Mq * J, dtype=torch.int64, device=dev)
-        excl.index_put_((flat[ok],), val[ok], accumulate=True)
+        # integer adds (exact, order-free); entries not ok add 0 (no boolean indexing: no host sync)
+        excl.scatter_add_(0, flat.reshape(-1), val.reshape(-1))
         col_bits = (bits & ~excl.view(B, H, Mq, J)).contiguous()
         col_idx = torch.where(vs < S, vs, 0).to(i32)
     return TileLists(BM, BN, f_idx.to(i32).contiguous(), f_cnt, f_nm, b_idx.contiguous(), b_cnt, b_nm, col_idx,

@@ -13,14 +13,17 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   token mask select the pairs. Writes out (q.dtype, or the dtype of a given running ``out``) and the natural-log
   ``lse`` (float32). With a running ``(out, lse)`` given, the block result is merged into it by log-sum-exp
   inside the kernel (in place), for ring use.
-- Backward from the FINAL out and lse (``delta = rowsum(dout * out)``): three deterministic kernels, no atomics.
-  dq: one program per query tile, same loops as the forward. dk/dv of tiles: one program per (key tile, batch,
-  KV head), looping over the query heads of the group and the key-tile-major lists ``tiles.bwd_idx`` (a query
-  tile taller than ``SUB_M_BWD`` = 64 rows is walked 64 rows at a time); it owns its rows of dk/dv, so it writes
-  them once. dk/dv of gathered columns: one program per (column chunk, batch, query
-  head) looping over all query tiles whose bits are non-zero; it writes per-head partials [B, H, NC, D] that are
-  added into dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots
-  add exact zeros), which is order-independent and therefore deterministic.
+- Backward from the FINAL out and lse (``delta = rowsum(dout * out)``): three kernels, no atomics, bit-identical
+  across runs. dq: one program per query tile, the forward's loops. dk/dv of tiles: one program per (key tile,
+  batch, KV head), looping over the query heads of the group and the key-tile-major lists ``tiles.bwd_idx``, a
+  query tile taller than ``KernelConfig.sub_m`` = 64 rows walked 64 rows at a time in one flat loop; it owns its
+  rows of dk/dv, so it writes them once. dk/dv of gathered columns: one program per (column chunk, batch * query
+  head, range of query tiles) over the query tiles whose bits are non-zero; it writes partials [P, B, H, NC, D]
+  that are summed over the P ranges in a fixed order and added into dk/dv by ``index_add_`` once per query head
+  of a group (a head's columns are unique, padding slots add exact zeros), which is order-independent.
+  Measured alternative, not kept: dq accumulated inside the dk/dv kernels with float32 atomic adds or TMA
+  reduce-adds (5 matmuls per tile pair instead of 7) was 5-16% slower end to end on an H200
+  (``benchmarks/RESULTS.md``, kernel run 3).
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
 ``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
@@ -34,7 +37,9 @@ tensor cores' tf32 on the GPU (Triton's default), about 3e-4 relative error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import torch
 import triton
@@ -43,6 +48,8 @@ import triton.language as tl
 from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
 
 __all__ = [
+    "DEFAULT_CONFIG",
+    "KernelConfig",
     "TritonBlockOp",
     "block_backward",
     "block_forward",
@@ -120,27 +127,15 @@ def _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, offs_m, offs_d, s
 
 
 @triton.jit
-def _dkdv_query_tile(dk, dv, k, v, k_pos, sel, m, q_base, do_base, Lse2, Delta, QPos, row_base, offs_m0, offs_d,
-                     sqs, sds, Sq, qk_scale, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, MASKED: tl.constexpr,
-                     HAS_SEL: tl.constexpr):
-    """dk/dv contributions of query tile m, SUB_M rows at a time (a run-time loop when BLOCK_M > SUB_M, so the
-    compiler keeps one sub-tile live: at 128 x 64 tiles and D = 128 an unrolled loop spills ~300 B/thread)."""
-    if BLOCK_M == SUB_M:
-        q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, m * BLOCK_M + offs_m0,
-                                                 offs_d, sqs, sds, Sq)
-        allowed_t = k_pos[:, None] <= q_pos[None, :]
-        if HAS_SEL:
-            allowed_t = allowed_t & sel[:, None]
-        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
-    else:
-        for sub in range(0, BLOCK_M // SUB_M):
-            q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base,
-                                                     m * BLOCK_M + sub * SUB_M + offs_m0, offs_d, sqs, sds, Sq)
-            allowed_t = k_pos[:, None] <= q_pos[None, :]
-            if HAS_SEL:
-                allowed_t = allowed_t & sel[:, None]
-            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
-    return dk, dv
+def _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos, row_base, offs_d,
+                   sqs, sds, Sq, qk_scale, MASKED: tl.constexpr, HAS_SEL: tl.constexpr):
+    """dk/dv contributions of the query rows ``row0 + offs_m0`` (one flat-loop step of the dk/dv kernels)."""
+    q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, row0 + offs_m0, offs_d,
+                                             sqs, sds, Sq)
+    allowed_t = k_pos[:, None] <= q_pos[None, :]
+    if HAS_SEL:
+        allowed_t = allowed_t & sel[:, None]
+    return _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -155,9 +150,37 @@ def _num_warps(bm: int, bn: int, d: int) -> int:
     return 8 if d >= 64 else 4
 
 
-NUM_STAGES_FWD = 3
-NUM_STAGES_BWD = 2
-SUB_M_BWD = 64  # dk/dv kernels walk a query tile this many rows at a time (register pressure at BM = 128)
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch settings of the kernels (defaults chosen on an H200: ``benchmarks/RESULTS.md``, kernel run 3).
+
+    Args:
+        fwd_warps / bwd_warps: warps per program (None: 8 for head dim >= 64, else 4).
+        fwd_stages / bwd_stages: software-pipelining depth of the loops.
+        sub_m: query rows per dk/dv step (a taller query tile is walked sub_m rows at a time).
+        sub_n: keys per forward / dq step (a wider key tile is walked sub_n keys at a time).
+        col_split: programs per gathered-column chunk in the column dk/dv kernel, each taking a contiguous range
+            of query tiles and writing its own partial sums (None: enough for ~8 programs per SM).
+    """
+
+    fwd_warps: int | None = None
+    fwd_stages: int = 3
+    bwd_warps: int | None = None
+    bwd_stages: int = 2
+    sub_m: int = 64
+    sub_n: int = 128
+    col_split: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sub_m", "sub_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"KernelConfig.{name}={val}; expected a power of two >= 16")
+        if self.col_split is not None and self.col_split < 1:
+            raise ValueError(f"KernelConfig.col_split={self.col_split}; expected None or >= 1")
+
+
+DEFAULT_CONFIG = KernelConfig()
 
 # --------------------------------------------------------------------------------------------------------------
 # kernels
@@ -172,7 +195,7 @@ def _vs_fwd_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr,
+    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -181,7 +204,7 @@ def _vs_fwd_kernel(
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
     q_pos = tl.load(QPos + offs_m, mask=offs_m < Sq, other=POS_MIN)
@@ -194,17 +217,16 @@ def _vs_fwd_kernel(
     f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
     cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
     nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
-    for i in range(0, nmask):  # tiles that need the token mask
-        t = tl.load(f_base + i)
-        offs_k = t * BLOCK_N + offs_n
+    R: tl.constexpr = BLOCK_N // SUB_N  # each key tile is walked SUB_N keys at a time, in one flat loop
+    for i in range(0, nmask * R):  # tiles that need the token mask
+        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
         k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
         v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
         k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
         allowed = k_pos[None, :] <= q_pos[:, None]
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
-    for i in range(nmask, cnt):  # tiles fully visible to every query of the tile
-        t = tl.load(f_base + i)
-        offs_k = t * BLOCK_N + offs_n
+    for i in range(nmask * R, cnt * R):  # tiles fully visible to every query of the tile
+        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
         k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
         v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, q_pos, qk_scale, False)
@@ -254,7 +276,7 @@ def _vs_bwd_dq_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_COLS: tl.constexpr,
+    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -263,7 +285,7 @@ def _vs_bwd_dq_kernel(
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
@@ -279,17 +301,16 @@ def _vs_bwd_dq_kernel(
     f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
     cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
     nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
-    for i in range(0, nmask):
-        t = tl.load(f_base + i)
-        offs_k = t * BLOCK_N + offs_n
+    R: tl.constexpr = BLOCK_N // SUB_N  # as in the forward: SUB_N keys per step, one flat loop
+    for i in range(0, nmask * R):
+        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
         k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
         v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
         k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
         allowed = k_pos[None, :] <= q_pos[:, None]
         dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
-    for i in range(nmask, cnt):
-        t = tl.load(f_base + i)
-        offs_k = t * BLOCK_N + offs_n
+    for i in range(nmask * R, cnt * R):
+        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
         k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
         v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
         dq = _dq_step(dq, q, do, lse2, delta, k, v, q_pos, qk_scale, False)
@@ -327,7 +348,8 @@ def _vs_bwd_dkdv_kernel(
     hk = pid_bk % HKV
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, SUB_M)  # query tiles are walked SUB_M rows at a time
+    offs_m0 = tl.arange(0, SUB_M)
+    R: tl.constexpr = BLOCK_M // SUB_M  # query tiles are walked SUB_M rows at a time, in one flat loop
     offs_d = tl.arange(0, HEAD_DIM)
     k = _load_rows(K + b64 * skb + hk64 * skh, offs_n, sks, offs_d, Sk)
     v = _load_rows(V + b64 * svb + hk64 * svh, offs_n, svs, offs_d, Sk)
@@ -342,15 +364,15 @@ def _vs_bwd_dkdv_kernel(
         f_base = BIdx + b * sfb + h * sfh + pid_n * sfm
         cnt = tl.load(BCnt + b * scb + h * sch + pid_n * scm)
         nmask = tl.load(BNm + b * snb + h * snh + pid_n * snm)
-        for i in range(0, nmask):
-            m = tl.load(f_base + i)
-            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, k_pos, m, q_base, do_base, Lse2, Delta, QPos, row_base,
-                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, True, False)
-        for i in range(nmask, cnt):
+        for i in range(0, nmask * R):
+            row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
+            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, True, False)
+        for i in range(nmask * R, cnt * R):
             # a ragged last query tile may be "unmasked": its missing rows have p = 0 (see _load_q_side)
-            m = tl.load(f_base + i)
-            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, k_pos, m, q_base, do_base, Lse2, Delta, QPos, row_base,
-                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, False, False)
+            row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
+            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, False, False)
     out_off = pid_bk.to(tl.int64) * Sk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=offs_n[:, None] < Sk)
     tl.store(DV + out_off, dv, mask=offs_n[:, None] < Sk)
@@ -360,13 +382,16 @@ def _vs_bwd_dkdv_kernel(
 def _vs_bwd_dkdv_cols_kernel(
     Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
     ColIdx, ColBits,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC, MPART, BH,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SUB_M: tl.constexpr,
 ):
+    """One program per (column chunk j, batch * head, part p): query tiles [p * MPART, (p + 1) * MPART); writes its
+    partial dk/dv of the chunk's 64 columns to DKC/DVC [P, B*H, NC, D] (summed by the launcher in a fixed order)."""
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_p = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -379,21 +404,25 @@ def _vs_bwd_dkdv_cols_kernel(
     k = tl.load(K + b64 * skb + hk64 * skh + cols[:, None] * sks + offs_d[None, :])  # padding slots hold column 0
     v = tl.load(V + b64 * svb + hk64 * svh + cols[:, None] * svs + offs_d[None, :])
     k_pos = tl.load(KPos + cols)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
-    do_base = DO + b64 * sdb + h.to(tl.int64) * sdh
+    q_base = Q + b64 * sqb + h64 * sqh
+    do_base = DO + b64 * sdb + h64 * sdh
     row_base = pid_bh * Sq
     bits_base = ColBits + b * sbb + h * sbh + pid_j
     dk = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
-    for m in range(0, Mq):
-        bits = tl.load(bits_base + m * sbm)
+    R: tl.constexpr = BLOCK_M // SUB_M  # SUB_M query rows per step, one flat loop
+    m_lo = pid_p * MPART
+    m_hi = tl.minimum(m_lo + MPART, Mq)
+    for i in range(m_lo * R, m_hi * R):
+        bits = tl.load(bits_base + (i // R) * sbm)
         if bits != 0:
             sel = ((bits >> bit_ids) & 1) != 0
-            dk, dv = _dkdv_query_tile(dk, dv, k, v, k_pos, sel, m, q_base, do_base, Lse2, Delta, QPos, row_base,
-                                      offs_m0, offs_d, sqs, sds, Sq, qk_scale, BLOCK_M, SUB_M, True, True)
-    out_off = ((pid_bh * NC + pid_j * BLOCK_C + offs_c[:, None]) * HEAD_DIM).to(tl.int64) + offs_d[None, :]
-    tl.store(DKC + out_off, dk * sm_scale)
-    tl.store(DVC + out_off, dv)
+            row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
+            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
+    out_off = ((pid_p * BH + pid_bh).to(tl.int64) * NC + pid_j * BLOCK_C + offs_c[:, None]) * HEAD_DIM
+    tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale)
+    tl.store(DVC + out_off + offs_d[None, :], dv)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -451,6 +480,12 @@ def _col_args(tiles: TileLists, dummy: torch.Tensor):
     return (ci, cb), [*_bstrides(ci, 2), *_bstrides(cb)], cb.shape[-1]
 
 
+def _col_split(programs: int, mq: int, device: torch.device) -> int:
+    """Query-range parts per column chunk: about 8 programs per SM (CUDA), parts of >= 16 query tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(triton.cdiv(8 * sms, max(programs, 1)), mq // 16))
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -463,12 +498,14 @@ def block_forward(
     lse: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Sq,D] against k/v [B,Hkv,Sk,D] over ``tiles`` (None: dense causal by positions).
 
     Returns ``(out [B,H,Sq,D], lse [B,H,Sq] float32, natural log)``. If ``out`` and ``lse`` are given (a running
     result, any float dtype for out), the block is merged into them by log-sum-exp in place and they are returned.
     """
+    cfg = config or DEFAULT_CONFIG
     q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -490,8 +527,9 @@ def block_forward(
         scale * LOG2E, Sq, Sk, H, H // Hkv, J,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, HAS_COLS=J > 0, HAS_PREV=has_prev,
-        num_warps=_num_warps(BM, BN, D), num_stages=NUM_STAGES_FWD,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, SUB_N=min(BN, cfg.sub_n), HAS_COLS=J > 0,
+        HAS_PREV=has_prev,
+        num_warps=cfg.fwd_warps or _num_warps(BM, BN, D), num_stages=cfg.fwd_stages,
     )
     return out, lse
 
@@ -509,12 +547,15 @@ def block_backward(
     tiles: TileLists | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (float32) of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
 
-    Deterministic: every output element is written by one program, plus (gathered columns only) one ``index_add_``
-    per query head of a KV group with unique indices.
+    Deterministic (bit-identical across runs): every element is written by one program, plus (gathered columns
+    only) a fixed-order sum over query-range parts and one ``index_add_`` per query head of a KV group with unique
+    indices.
     """
+    cfg = config or DEFAULT_CONFIG
     q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -526,33 +567,40 @@ def block_backward(
     dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32, device=q.device)
     dv = torch.empty_like(dk)
     BM, BN = tiles.block_m, tiles.block_n
+    sub_m, sub_n = min(BM, cfg.sub_m), min(BN, cfg.sub_n)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
-    nw = _num_warps(BM, BN, D)
     _vs_bwd_dq_kernel[(triton.cdiv(Sq, BM), B * H)](
         q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
         scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, HAS_COLS=J > 0,
-        num_warps=nw, num_stages=NUM_STAGES_BWD,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=J > 0,
+        num_warps=cfg.bwd_warps or _num_warps(BM, sub_n, D), num_stages=cfg.bwd_stages,
     )
     (bi, bc, bn), bstr = _list_args(tiles, "bwd")
     _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
         q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
         scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=min(BM, SUB_M_BWD), num_warps=_num_warps(SUB_M_BWD, BN, D),
-        num_stages=NUM_STAGES_BWD,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
+        num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
     )
     if J > 0:
-        NC = J * COL_CHUNK
-        dkc = torch.empty(B, H, NC, D, dtype=torch.float32, device=q.device)
+        NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
+        P = cfg.col_split or _col_split(J * B * H, Mq, q.device)
+        mpart = triton.cdiv(Mq, min(P, Mq))
+        P = triton.cdiv(Mq, mpart)
+        dkc = torch.empty(P, B, H, NC, D, dtype=torch.float32, device=q.device)
         dvc = torch.empty_like(dkc)
-        _vs_bwd_dkdv_cols_kernel[(J, B * H)](
+        _vs_bwd_dkdv_cols_kernel[(J, B * H, P)](
             q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
-            scale * LOG2E, scale, Sq, Sk, H, G, triton.cdiv(Sq, BM), NC, *strides, *cstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=COL_CHUNK, SUB_M=min(BM, SUB_M_BWD), num_warps=_num_warps(BM, COL_CHUNK, D),
-            num_stages=NUM_STAGES_BWD,
+            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, mpart, B * H, *strides, *cstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=COL_CHUNK, SUB_M=sub_m,
+            num_warps=cfg.bwd_warps or _num_warps(sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
         )
+        if P > 1:  # fixed summation order over the parts: deterministic
+            dkc, dvc = dkc.sum(0), dvc.sum(0)
+        else:
+            dkc, dvc = dkc[0], dvc[0]
         # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col
         cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
         base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
@@ -572,17 +620,18 @@ def block_backward(
 
 class _VerticalSlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale):
-        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles)
+    def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale, config):
+        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
-        ctx.tiles, ctx.scale = tiles, scale
+        ctx.tiles, ctx.scale, ctx.config = tiles, scale, config
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
-        dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
+                                    config=ctx.config)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def vertical_slash_attention(
@@ -593,14 +642,17 @@ def vertical_slash_attention(
     q_pos: torch.Tensor | None = None,
     k_pos: torch.Tensor | None = None,
     scale: float | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """Differentiable attention over ``tiles`` (positions default to 0..S-1); returns [B, H, Sq, D]."""
+    """Differentiable attention over ``tiles`` (positions default to 0..S-1); returns [B, H, Sq, D].
+
+    ``config``: launch settings and the dq mode (:class:`KernelConfig`; None: :data:`DEFAULT_CONFIG`)."""
     if q_pos is None:
         q_pos = torch.arange(q.shape[2], device=q.device)
     if k_pos is None:
         k_pos = torch.arange(k.shape[2], device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale)
+    return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale, config)
 
 
 class TritonBlockOp:

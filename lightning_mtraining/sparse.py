@@ -29,7 +29,7 @@ from mtraining_kernels.reference import attention_ref, vertical_slash_mask
 
 __all__ = ["sparse_attention"]
 
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 128  # H200: ~1.5x the throughput of 64 x 64 per computed pair (benchmarks/RESULTS.md)
 _MAX_SCORES = 1 << 24  # score elements per chunk on the reference path (64 MiB in float32)
 
 
@@ -121,7 +121,10 @@ def sparse_attention(
             G is H (a pattern per query head) or H_kv (one per KV group, shared by its query heads).
         scale: softmax scale, default ``1 / sqrt(D)``.
         block_size: tile size T at which slashes are executed (see the module docstring), or a pair (BM, BN)
-            for BM x BN tiles, BM a multiple of BN.
+            for BM x BN tiles, BM a multiple of BN. Coarser tiles run faster per computed pair but compute more
+            pairs per isolated slash line (an off-grid slash costs about 2T keys per query): 128 (the default)
+            is fastest for windows and runs of neighbouring slashes, 64 or (128, 64) can win for many isolated
+            slashes; ``benchmarks/RESULTS.md`` has both measured on one pattern.
 
     Returns:
         ``[B, H, S, D]`` in q's dtype. Rows that see no key (only possible with an empty pattern) are 0.

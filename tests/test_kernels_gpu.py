@@ -28,7 +28,8 @@ def _errors(got, ref):
 
 
 @pytest.mark.parametrize(
-    "S,D,block", [(8192, 128, 64), (8191, 64, 64), (32768, 128, 64), (8192, 128, 128), (8191, 128, (128, 64))]
+    "S,D,block",
+    [(8192, 128, 64), (8191, 64, 64), (32768, 128, 64), (8192, 128, 128), (8191, 128, (128, 64)), (32767, 128, 128)],
 )
 def test_bf16_matches_fp32_reference(S, D, block):
     from lightning_mtraining.sparse import sparse_attention
@@ -60,15 +61,17 @@ def test_bf16_matches_fp32_reference(S, D, block):
         assert e <= 2 * et + 1e-3, f"{n}: kernel error {e:.3e} > 2 x torch bf16 error {et:.3e}"
 
 
-def test_backward_deterministic_50_runs():
+@pytest.mark.parametrize("block", [64, (128, 64), 128])
+def test_backward_deterministic_50_runs(block):
     from mtraining_kernels.indexing import pattern_tile_lists
     from mtraining_kernels.vertical_slash import block_backward, block_forward
 
     torch.manual_seed(1)
-    B, H, Hkv, S, D = 2, 8, 2, 8192, 128
+    B, H, Hkv, S, D = 2, 8, 2, 8191, 128  # ragged
+    bm, bn = (block, block) if isinstance(block, int) else block
     q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H))
     vi, si = _pattern(B, H, S, 500, [0, 64, 200, 2000], seed=3)
-    tiles = pattern_tile_lists(vi, si, S, 64)
+    tiles = pattern_tile_lists(vi, si, S, bm, bn)
     pos = torch.arange(S, device="cuda")
     out, lse = block_forward(q, k, v, pos, pos, 0.1, tiles=tiles)
     first = block_backward(q, k, v, out, lse, dout, pos, pos, 0.1, tiles=tiles)

@@ -76,7 +76,8 @@ def _run_checks() -> dict[str, str]:
     _shim_interpreter()
     from mtraining_kernels.indexing import COL_CHUNK, dense_tile_lists, expand_pattern, pattern_tile_lists
     from mtraining_kernels.reference import attention_ref, tile_lists_mask, vertical_slash_mask
-    from mtraining_kernels.vertical_slash import block_backward, block_forward
+    from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block_forward
+
 
     def ref_grads(q, k, v, mask, scale, dout):
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
@@ -92,7 +93,7 @@ def _run_checks() -> dict[str, str]:
         if not (torch.isfinite(got).all() and err <= atol + rtol * want.abs().max().item()):
             raise AssertionError(f"{name}: max abs err {err:.3e} > {atol:.1e} (+{rtol} rel)")
 
-    def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None):
+    def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None, config=None):
         q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
         dout = torch.randn(B, H, S, D)
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
@@ -102,13 +103,13 @@ def _run_checks() -> dict[str, str]:
         mask = vertical_slash_mask(vi_h, si_h, S, T, block_n=TN)
         assert torch.equal(mask, tile_lists_mask(tiles, pos, pos)), "lists != definition"
         scale = D**-0.5
-        out, lse = block_forward(q, k, v, pos, pos, scale, tiles=tiles)
-        dq, dk, dv = block_backward(q, k, v, out, lse, dout, pos, pos, scale, tiles=tiles)
+        out, lse = block_forward(q, k, v, pos, pos, scale, tiles=tiles, config=config)
         r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, k, v, mask, scale, dout)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(r_lse)), "rows without keys differ"
         fin = torch.isfinite(r_lse)
         close("lse", lse[fin], r_lse[fin], atol)
         close("out", out, r_out, atol)
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, pos, pos, scale, tiles=tiles, config=config)
         for n, g, r in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
             close(n, g, r, atol)
         return q, k, v, dout, mask, tiles, (out, lse, dq, dk, dv)
@@ -260,20 +261,17 @@ def _run_checks() -> dict[str, str]:
             close(f"differentiable {n}", a, b, 1e-5)
 
     def rectangular_tiles_and_dkdv_subtiles():
-        # 32 x 16 tiles (block_m = 2 block_n), and the dk/dv kernels walking each query tile in two halves
-        import mtraining_kernels.vertical_slash as vs
-
+        # 32 x 16 and 64 x 16 tiles (block_m = r * block_n), the dk/dv kernels walking query tiles in 16-row steps
         B, H, Hkv, S, D = 1, 4, 2, 150, 16
         vi = torch.randint(-1, S, (B, H, 12))
         si = torch.tensor([[[0, 17, -1], [5, 40, 100], [-1, -1, -1], [33, 0, 1]]])
-        old = vs.SUB_M_BWD
-        try:
-            for sub in (old, 16):
-                vs.SUB_M_BWD = sub
-                check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16)
-                check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16)
-        finally:
-            vs.SUB_M_BWD = old
+        for cfg in (None, KernelConfig(sub_m=16, fwd_stages=1, bwd_stages=1)):
+            check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16, config=cfg)
+            check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16, config=cfg)
+        # square 32 x 32 tiles walked in 16-row and 16-key steps (forward, dq and dk/dv kernels), and the column
+        # dk/dv kernel split into query-tile ranges (5 tiles, 3 parts of 2, 2, 1: uneven)
+        check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(sub_m=16, sub_n=16, col_split=3))
+        check_pattern(B, H, Hkv, S, D, 16, vi, si, config=KernelConfig(col_split=4))
 
     results = {}
     for name in CHECKS:

@@ -115,3 +115,12 @@ def test_validation_errors(change, err, match):
     args.update(change)
     with pytest.raises(err, match=match):
         sparse_attention(args["q"], args["k"], args["v"], args["vi"], args["si"], block_size=args["block_size"])
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(sub_m=24), "sub_m=24"), (dict(sub_n=8), "sub_n=8"),
+                                          (dict(col_split=0), "col_split=0")])
+def test_kernel_config_rejects_bad_values(kwargs, match):
+    from mtraining_kernels.vertical_slash import KernelConfig
+
+    with pytest.raises(ValueError, match=match):
+        KernelConfig(**kwargs)
