@@ -4,14 +4,17 @@ FlexAttention with the covering BlockMask, forward + backward, Qwen2.5-3B attent
 Command (GPU, via the device tool)::
 
     python benchmarks/kernel_sparse.py --seqlens 32768 131072 --fractions 0.02 0.05 0.1 0.2 --out $OUT/ks.json
+    python benchmarks/kernel_sparse.py --seqlens 524288 --fractions 0.02 0.05 --anchors flex,cover --out $OUT/ks512.json
 
 Patterns (one per KV head: G = H_kv = 2, a different random draw per head and per fraction), MTraining-like:
-- sinks: key columns 0..63 as verticals; local window: slash offsets 0..255 (tile diagonals 0..4 at T=64);
+- sinks: key columns 0..63 as verticals; local window: slash offsets 0..255 (3 tile offsets at 128 x 128 tiles);
 - min(1024, fraction * S / 2) verticals per KV head at random positions (token level: gathered, except inside
   computed tiles);
-- slash bands: whole tile diagonals at random offsets (uniform over the sequence) added until the computed pairs
-  reach the target fraction of the causal pairs.
-Computed work = (tile pairs x T^2 + gathered (query tile, column) pairs x T) per head; TFLOP/s use
+- slash bands: whole key-tile diagonals (offsets d * BN, d >= 5) at random, their number bisected so that the
+  computed pairs at the benchmarked tile size come closest to the target fraction of the causal pairs
+  (``fit_pattern``; a BM x BN tile with BM = 2 BN turns one band into two tile offsets, so coarser tiles get
+  fewer bands for the same fraction).
+Computed work = (tile pairs x BM x BN + gathered (query tile, column) pairs x BM) per head; TFLOP/s use
 4 * D * pairs forward and x3.5 for forward+backward (DESIGN.md). The fraction reported is that work over the
 causal S^2/2 pairs. FlexAttention "cover" gets a BlockMask (128 x 128) of every tile holding a computed pair,
 full blocks below the diagonal and a causal mask_mod on the diagonal: the best a FlexAttention user can do.
@@ -20,7 +23,10 @@ Index conversion (pattern -> lists) is timed separately. Times are medians of tr
 Compiler resource report (registers, stack/spills per thread) of every kernel, for sm_90, WITHOUT a GPU (Triton
 compiles to a cubin with its bundled ptxas; cuobjdump reads it)::
 
-    python benchmarks/kernel_sparse.py --resources
+    python benchmarks/kernel_sparse.py --resources --block-sizes 128x64 --configs "" "sub_n=64"
+
+Launch settings (:class:`mtraining_kernels.vertical_slash.KernelConfig`) are given as ``--configs
+"key=value,..."``; the first is each row's result, the others are timed on the same pattern (a tuning sweep).
 """
 
 from __future__ import annotations
@@ -39,29 +45,42 @@ from mtraining_kernels.vertical_slash import vertical_slash_attention
 H, HKV, D = 16, 2, 128
 
 
-def make_pattern(S: int, T: int, frac: float, n_vertical: int, seed: int):
-    """[1, HKV, n] verticals and slashes hitting about ``frac`` of the causal pairs (see module docstring)."""
+def make_pattern(S: int, T: int, n_vertical: int, seed: int, n_bands: int):
+    """[1, HKV, n] verticals and slashes: sinks, window, ``n_vertical`` random verticals, ``n_bands`` random bands.
+
+    Band offsets are multiples of T = BN at random tile diagonals >= 5, a different draw per KV head; the same
+    seed gives the same verticals and the same band order, so the band count alone sets the density."""
     g = torch.Generator().manual_seed(seed)
     M = -(-S // T)
     vis, sis = [], []
     for _ in range(HKV):
-        vi = torch.cat([torch.arange(64), torch.randint(64, S, (n_vertical,), generator=g)])
-        base = list(range(0, 256))
-        base_tiles = sum(M - d for d in range(0, 5))
-        col_tiles = n_vertical * S / 2 / T**2  # each vertical is seen by ~S/2 queries on average
-        need = max(0.0, frac * M * M / 2 - base_tiles - col_tiles)  # in tiles
-        bands = []
-        while need > 0:
-            d = int(torch.randint(5, M, (1,), generator=g))
-            if d * T in bands:
-                continue
-            bands.append(d * T)
-            need -= M - d
-        vis.append(vi)
-        sis.append(torch.tensor(base + bands, dtype=torch.int64))
+        vis.append(torch.cat([torch.arange(64), torch.randint(64, S, (n_vertical,), generator=g)]))
+        bands = (5 + torch.randperm(max(M - 5, 1), generator=g)[:n_bands]) * T
+        sis.append(torch.cat([torch.arange(256), bands]))
     n_v, n_s = max(len(x) for x in vis), max(len(x) for x in sis)
-    pad = lambda xs, n: torch.stack([torch.cat([x, x.new_full((n - len(x),), -1)]) for x in xs])[None]
+    pad = lambda xs, n: torch.stack([torch.cat([x, x.new_full((n - len(x),), -1)]) for x in xs])[None]  # noqa
     return pad(vis, n_v), pad(sis, n_s)
+
+
+def fit_pattern(S: int, BM: int, BN: int, frac: float, n_vertical: int, seed: int, dev):
+    """The pattern of :func:`make_pattern` whose band count brings the computed pairs closest to ``frac`` of the
+    causal pairs at these tiles (bisection on the band count; lists are built on the GPU in milliseconds)."""
+    M = -(-S // BN)
+
+    def build(n):
+        vi, si = (t.to(dev) for t in make_pattern(S, BN, n_vertical, seed, n))
+        tiles = pattern_tile_lists(expand_pattern(vi, H, HKV), expand_pattern(si, H, HKV), S, BM, BN)
+        return vi, si, tiles, computed_pairs(tiles) / (H * S * S / 2)
+
+    lo, hi = 0, max(M - 5, 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if build(mid)[3] < frac:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = min((build(n) for n in {max(lo - 1, 0), lo}), key=lambda r: abs(r[3] - frac))
+    return best[0], best[1]
 
 
 def computed_pairs(tiles) -> float:
@@ -141,7 +160,7 @@ def _parse_block(spec: str) -> tuple[int, int]:
     return int(bm), int(bn or bm)
 
 
-def resources(block_m=64, block_n=64, head_dims=(64, 128)) -> None:
+def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     """Print cuobjdump's register / stack report of each kernel compiled for sm_90 (no GPU needed)."""
     import os
     import subprocess
@@ -152,6 +171,7 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128)) -> None:
 
     from mtraining_kernels import vertical_slash as vs
 
+    cfg = config or vs.DEFAULT_CONFIG
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "Out": "*bf16", "ColBits": "*i64"}
     ptrs.update({n: "*i32" for n in "QPos KPos FIdx FCnt FNm ColIdx BIdx BCnt BNm".split()})
     ptrs.update({n: "*fp32" for n in "Lse Lse2 Delta DQ DK DV DKC DVC".split()})
@@ -159,17 +179,21 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128)) -> None:
     target = GPUTarget("cuda", 90, 32)
     for D in head_dims:
         common = dict(HEAD_DIM=D, BLOCK_M=block_m)
-        sub = min(block_m, vs.SUB_M_BWD)
-        for fn, const, stages, warps in (
-            (vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, HAS_COLS=True, HAS_PREV=False),
-             vs.NUM_STAGES_FWD, vs._num_warps(block_m, block_n, D)),
-            (vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, HAS_COLS=True), vs.NUM_STAGES_BWD,
-             vs._num_warps(block_m, block_n, D)),
-            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), vs.NUM_STAGES_BWD,
-             vs._num_warps(vs.SUB_M_BWD, block_n, D)),
-            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=COL_CHUNK, SUB_M=sub), vs.NUM_STAGES_BWD,
-             vs._num_warps(block_m, COL_CHUNK, D)),
-        ):
+        sub = min(block_m, cfg.sub_m)
+        bw = lambda bm, bn: cfg.bwd_warps or vs._num_warps(bm, bn, D)  # noqa: E731
+        sub_n = min(block_n, cfg.sub_n)
+        kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=True,
+                                            HAS_PREV=False),
+                    cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(block_m, block_n, D))]
+        kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=True),
+                        cfg.bwd_stages, bw(block_m, sub_n)))
+        kernels += [
+            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
+             bw(sub, block_n)),
+            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=COL_CHUNK, SUB_M=sub), cfg.bwd_stages,
+             bw(sub, COL_CHUNK)),
+        ]
+        for fn, const, stages, warps in kernels:
             const = {**common, **const}
             sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if "scale" in n else "i32")
                    for n in fn.arg_names}
@@ -181,8 +205,20 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128)) -> None:
                 rep = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
             line = next((ln.strip() for ln in rep.stdout.splitlines() if "REG:" in ln), rep.stdout[-200:])
             wgmma = "wgmma" in k.asm["ptx"]
-            print(f"{block_m}x{block_n} D={D} {fn.__name__:<26} warps={warps} stages={stages} wgmma={wgmma} "
-                  f"smem={k.metadata.shared} {line.split(' SHARED')[0]}")
+            print(f"{block_m}x{block_n} D={D} {fn.__name__:<26} warps={warps} stages={stages} sub_m={sub} sub_n={sub_n} "
+                  f"wgmma={wgmma} smem={k.metadata.shared} "
+                  f"{line.split(' SHARED')[0]}", flush=True)
+
+
+def _config(spec: str):
+    """'key=value,...' -> KernelConfig, e.g. 'bwd_warps=4,bwd_stages=1,sub_n=64'."""
+    from mtraining_kernels.vertical_slash import KernelConfig
+
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        kw[key] = int(val)
+    return KernelConfig(**kw)
 
 
 def main() -> None:
@@ -190,18 +226,28 @@ def main() -> None:
     ap.add_argument("--resources", action="store_true", help="compiler report only (no GPU needed)")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
-    ap.add_argument("--block-sizes", nargs="+", default=["64"], help="tile sizes: 64, or BMxBN such as 128x64")
+    ap.add_argument("--block-sizes", nargs="+", default=["128"], help="tile sizes: 128, or BMxBN such as 128x64")
     ap.add_argument("--n-vertical", type=int, default=1024)
     ap.add_argument("--anchors", default="sdpa,flex,cover")
+    ap.add_argument("--configs", nargs="+", default=[""],
+                    help="KernelConfig settings to time, 'key=value,...' ('' = defaults); the first one is the "
+                         "row's main result, the others are timed on the same pattern (e.g. bwd_warps=4,bwd_stages=3)")
+    ap.add_argument("--same-pattern", action="store_true",
+                    help="fit each fraction's pattern at the first block size and time that same pattern at every "
+                         "block size (each row reports its own computed fraction), instead of fitting per size")
+    ap.add_argument("--profile-idx", action="store_true", help="print a torch.profiler table of the index conversion")
     ap.add_argument("--out", default="kernel_sparse.json")
     args = ap.parse_args()
+    configs = [_config(c) for c in args.configs]
     if args.resources:
         for spec in args.block_sizes:
-            resources(*_parse_block(spec))
+            for cfg in configs:
+                resources(*_parse_block(spec), config=cfg)
         return
     anchors = set(args.anchors.split(",")) if args.anchors else set()
     dev = torch.device("cuda")
     rows = []
+    fitted = {}
     info = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(info, flush=True)
@@ -253,21 +299,47 @@ def main() -> None:
             T = BN
             for frac in args.fractions:
                 n_vertical = min(args.n_vertical, int(frac * S / 2))  # at 32K, 1024 verticals alone are ~5%
-                vi, si = make_pattern(S, T, frac, n_vertical, seed=int(frac * 1000) + S)
-                vi, si = vi.to(dev), si.to(dev)
+                if args.same_pattern:
+                    fit_at = _parse_block(args.block_sizes[0])
+                    if (S, frac) not in fitted:
+                        fitted[(S, frac)] = fit_pattern(S, *fit_at, frac, n_vertical, int(frac * 1000) + S, dev)
+                    vi, si = fitted[(S, frac)]
+                else:
+                    vi, si = fit_pattern(S, BM, BN, frac, n_vertical, int(frac * 1000) + S, dev)
                 vih, sih = expand_pattern(vi, H, HKV), expand_pattern(si, H, HKV)
                 idx_ms = triton.testing.do_bench(lambda: pattern_tile_lists(vih, sih, S, BM, BN), warmup=5, rep=50,
                                                  return_mode="median")
                 tiles = pattern_tile_lists(vih, sih, S, BM, BN)
+                if args.profile_idx:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            pattern_tile_lists(vih, sih, S, BM, BN)
+                        torch.cuda.synchronize()
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
                 pairs = computed_pairs(tiles)
                 row = {"S": S, "T": f"{BM}x{BN}", "target": frac, "fraction": pairs / (H * S * S / 2), "idx_ms": idx_ms,
                        "n_slash": int((si >= 0).sum(-1).max()), "n_vertical": int((vi >= 0).sum(-1).max()), **base}
-                f_ms = bench(lambda: vertical_slash_attention(q, k, v, tiles), None, long)
-                fb_ms = bench(fb(lambda: vertical_slash_attention(q, k, v, tiles)), [q, k, v], long)
+                f_ms = bench(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0]), None, long)
+                fb_ms = bench(fb(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0])), [q, k, v],
+                              long)
                 row.update(vs_f_ms=f_ms, vs_fb_ms=fb_ms, vs_tflops=4 * D * pairs * 3.5 / fb_ms / 1e9,
-                           vs_f_tflops=4 * D * pairs / f_ms / 1e9)
+                           vs_f_tflops=4 * D * pairs / f_ms / 1e9, config=args.configs[0])
                 if "flex_fb_ms" in base:
                     row["speedup_vs_flex_dense"] = base["flex_fb_ms"] / fb_ms
+                for spec_c, cfg in zip(args.configs[1:], configs[1:]):  # other launch settings, same pattern
+                    try:
+                        c_f = bench(lambda: vertical_slash_attention(q, k, v, tiles, config=cfg), None, long)
+                        c_fb = bench(fb(lambda: vertical_slash_attention(q, k, v, tiles, config=cfg)), [q, k, v],
+                                     long)
+                        row.setdefault("other_configs", []).append(
+                            {"config": spec_c, "vs_f_ms": c_f, "vs_fb_ms": c_fb,
+                             "vs_tflops": 4 * D * pairs * 3.5 / c_fb / 1e9})
+                        print(f"  config {spec_c or 'default'}: fwd {c_f:.2f} ms, fwd+bwd {c_fb:.2f} ms "
+                              f"(default {f_ms:.2f} / {fb_ms:.2f})", flush=True)
+                    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+                        row.setdefault("other_configs", []).append({"config": spec_c, "error": repr(e)[:300]})
                 if "cover" in anchors:
                     try:
                         bm, cover_frac = flex_cover_mask(tiles, S, dev)
