@@ -34,7 +34,7 @@ valid slash offsets of that head. Tile (query tile m, key tile t) has offset u =
 
 Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
-are int32; three host syncs read list lengths (L, the key-major list length, and the column count).
+are int32; one host sync reads the list width L and the gathered-column count.
 """
 
 from __future__ import annotations
@@ -199,7 +199,15 @@ def pattern_tile_lists(
     comp = computed_tile_offsets(slash_idx, S, BM, BN)
     big = Nk + r  # larger than any offset
     u_all = torch.arange(-(r - 1), Nk, device=dev, dtype=i32)
-    L = max(int(comp.sum(-1).max()) if comp.numel() else 0, 1)
+    # the one host sync: list width L (computed offsets) and the gathered-column count, read together
+    v = vertical_idx.to(torch.int64)
+    vs, nv = _sorted_unique(v, (v >= 0) & (v < S), S)
+    if comp.numel() and nv.numel():
+        n_off, n_col = torch.stack([comp.sum(-1).max(), nv.max()]).tolist()
+    else:
+        n_off = int(comp.sum(-1).max()) if comp.numel() else 0
+        n_col = int(nv.max()) if nv.numel() else 0
+    L = max(n_off, 1)
     u_asc = torch.where(comp, u_all, big).sort(-1).values[..., :L].contiguous()  # [B, H, L]
     # query-major: key tile t = m*r - u for u in [m*r - Nk + 1, m*r] (all u but for the last query tile)
     mr = torch.arange(Mq, device=dev, dtype=i32) * r
@@ -221,13 +229,11 @@ def pattern_tile_lists(
     ok = (u_asc[:, :, None, :] < big) & (m_num >= 0) & (m_num % r == 0) & (m_num < Mq * r)
     b_cnt = ok.sum(-1, dtype=i32)
     b_nm = (ok & (u_asc[:, :, None, :] <= 0)).sum(-1, dtype=i32)
-    Lb = max(int(b_cnt.max()) if b_cnt.numel() else 0, 1)
+    Lb = L  # a key tile meets each computed offset at most once: b_cnt <= L (no sync for the exact maximum)
     order = torch.sort(torch.where(ok, slot, slot + L), dim=-1).indices[..., :Lb]
     b_idx = torch.gather(torch.div(m_num, r, rounding_mode="floor"), 3, order).clamp_(0, Mq - 1).to(i32)
     # --- gathered columns: sorted unique verticals, minus those inside a computed tile ---------------------------
-    v = vertical_idx.to(torch.int64)
-    vs, nv = _sorted_unique(v, (v >= 0) & (v < S), S)
-    NC = _cdiv(int(nv.max()) if nv.numel() else 0, COL_CHUNK) * COL_CHUNK
+    NC = _cdiv(n_col, COL_CHUNK) * COL_CHUNK
     col_idx = col_bits = None
     if NC > 0:
         if vs.shape[-1] < NC:
