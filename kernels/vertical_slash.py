@@ -22,7 +22,7 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   that are summed over the P ranges in a fixed order and added into dk/dv by ``index_add_`` once per query head
   of a group (a head's columns are unique, padding slots add exact zeros), which is order-independent.
   Measured alternative, not kept: dq accumulated inside the dk/dv kernels with float32 atomic adds or TMA
-  reduce-adds (5 matmuls per tile pair instead of 7) was 5-16% slower end to end on an H200
+  reduce-adds (5 matmuls per tile pair instead of 7) was 2-16% slower end to end on an H200
   (``benchmarks/RESULTS.md``, kernel run 3).
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with

@@ -29,7 +29,7 @@ from mtraining_kernels.reference import attention_ref, vertical_slash_mask
 
 __all__ = ["sparse_attention"]
 
-DEFAULT_BLOCK_SIZE = 128  # H200: ~1.5x the throughput of 64 x 64 per computed pair (benchmarks/RESULTS.md)
+DEFAULT_BLOCK_SIZE = 128  # H200: 1.8-2.2x the throughput of 64 x 64 per computed pair (RESULTS.md, kernel run 3)
 _MAX_SCORES = 1 << 24  # score elements per chunk on the reference path (64 MiB in float32)
 
 
