@@ -18,7 +18,8 @@ Computed work = (tile pairs x BM x BN + gathered (query tile, column) pairs x BM
 4 * D * pairs forward and x3.5 for forward+backward (DESIGN.md). The fraction reported is that work over the
 causal S^2/2 pairs. FlexAttention "cover" gets a BlockMask (128 x 128) of every tile holding a computed pair,
 full blocks below the diagonal and a causal mask_mod on the diagonal: the best a FlexAttention user can do.
-Index conversion (pattern -> lists) is timed separately. Times are medians of triton.testing.do_bench.
+Index conversion (pattern -> lists) is timed separately: ``idx_ms`` with the Triton list builder (the default on
+CUDA), ``idx_torch_ms`` with the torch builder. Times are medians of triton.testing.do_bench.
 
 Compiler resource report (registers, stack/spills per thread) of every kernel, for sm_90, WITHOUT a GPU (Triton
 compiles to a cubin with its bundled ptxas; cuobjdump reads it)::
@@ -169,12 +170,14 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from mtraining_kernels import list_builder as lb
     from mtraining_kernels import vertical_slash as vs
 
     cfg = config or vs.DEFAULT_CONFIG
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "Out": "*bf16", "ColBits": "*i64"}
     ptrs.update({n: "*i32" for n in "QPos KPos FIdx FCnt FNm ColIdx BIdx BCnt BNm".split()})
     ptrs.update({n: "*fp32" for n in "Lse Lse2 Delta DQ DK DV DKC DVC".split()})
+    ptrs.update({n: "*i32" for n in "Comp UAsc VUniq Counts".split()}, Slash="*i64", VSort="*i64")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
     for D in head_dims:
@@ -182,19 +185,32 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
         sub = min(block_m, cfg.sub_m)
         bw = lambda bm, bn: cfg.bwd_warps or vs._num_warps(bm, bn, D)  # noqa: E731
         sub_n = min(block_n, cfg.sub_n)
-        kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=True,
-                                            HAS_PREV=False),
+        kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
+                                            HAS_PREV=False, BLOCK_J=32),
                     cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(block_m, block_n, D))]
-        kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=True),
+        kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
+                                                   HAS_COLS=True, BLOCK_J=32),
                         cfg.bwd_stages, bw(block_m, sub_n)))
         kernels += [
             (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
              bw(sub, block_n)),
-            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=COL_CHUNK, SUB_M=sub), cfg.bwd_stages,
-             bw(sub, COL_CHUNK)),
+            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=cfg.col_block, SUB_M=min(block_m, cfg.col_sub_m or sub)),
+             cfg.bwd_stages, bw(sub, COL_CHUNK)),
         ]
+        kernels.append((vs._bwd_preprocess_kernel, dict(BLOCK=64), 1, 4))
+        if D == head_dims[0]:  # the list builder (head-dim free): compiled once per tile shape
+            r = block_m // block_n
+            tiles = dict(BM=block_m, BN=block_n, R=r)
+            kernels += [
+                (lb._mark_kernel, dict(BLOCK=256, **tiles), 1, 4),
+                (lb._compact_kernel, dict(R=r, BLOCK_U=1024, BLOCK_V=1024), 1, 4),
+                (lb._fwd_lists_kernel, dict(R=r, BLOCK_M=32, BLOCK_L=64), 1, 4),
+                (lb._bwd_lists_kernel, dict(R=r, BLOCK_T=32, BLOCK_L=64), 1, 4),
+                (lb._col_bits_kernel, dict(BLOCK_M=32, BLOCK_C=COL_CHUNK, **tiles), 1, 4),
+            ]
         for fn, const, stages, warps in kernels:
-            const = {**common, **const}
+            const = {n: c for n, c in const.items() if n in fn.arg_names}
+            const = {**{n: c for n, c in common.items() if n in fn.arg_names}, **const}
             sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if "scale" in n else "i32")
                    for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, const), target=target,
@@ -236,6 +252,8 @@ def main() -> None:
                     help="fit each fraction's pattern at the first block size and time that same pattern at every "
                          "block size (each row reports its own computed fraction), instead of fitting per size")
     ap.add_argument("--profile-idx", action="store_true", help="print a torch.profiler table of the index conversion")
+    ap.add_argument("--profile-attn", action="store_true",
+                    help="print a torch.profiler table (GPU time per kernel) of one forward+backward per row")
     ap.add_argument("--out", default="kernel_sparse.json")
     args = ap.parse_args()
     configs = [_config(c) for c in args.configs]
@@ -309,6 +327,9 @@ def main() -> None:
                 vih, sih = expand_pattern(vi, H, HKV), expand_pattern(si, H, HKV)
                 idx_ms = triton.testing.do_bench(lambda: pattern_tile_lists(vih, sih, S, BM, BN), warmup=5, rep=50,
                                                  return_mode="median")
+                idx_torch_ms = triton.testing.do_bench(
+                    lambda: pattern_tile_lists(vih, sih, S, BM, BN, backend="torch"), warmup=5, rep=50,
+                    return_mode="median")
                 tiles = pattern_tile_lists(vih, sih, S, BM, BN)
                 if args.profile_idx:
                     from torch.profiler import ProfilerActivity, profile
@@ -320,12 +341,20 @@ def main() -> None:
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
                 pairs = computed_pairs(tiles)
                 row = {"S": S, "T": f"{BM}x{BN}", "target": frac, "fraction": pairs / (H * S * S / 2), "idx_ms": idx_ms,
-                       "n_slash": int((si >= 0).sum(-1).max()), "n_vertical": int((vi >= 0).sum(-1).max()), **base}
+                       "idx_torch_ms": idx_torch_ms, "n_slash": int((si >= 0).sum(-1).max()), "n_vertical": int((vi >= 0).sum(-1).max()), **base}
                 f_ms = bench(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0]), None, long)
                 fb_ms = bench(fb(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0])), [q, k, v],
                               long)
                 row.update(vs_f_ms=f_ms, vs_fb_ms=fb_ms, vs_tflops=4 * D * pairs * 3.5 / fb_ms / 1e9,
                            vs_f_tflops=4 * D * pairs / f_ms / 1e9, config=args.configs[0])
+                if args.profile_attn:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            fb(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0]))()
+                        torch.cuda.synchronize()
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
                 if "flex_fb_ms" in base:
                     row["speedup_vs_flex_dense"] = base["flex_fb_ms"] / fb_ms
                 for spec_c, cfg in zip(args.configs[1:], configs[1:]):  # other launch settings, same pattern
@@ -358,11 +387,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
-    hdr = f"{'S':>7} {'T':>6} {'frac':>6} {'idx ms':>7} {'vs f':>8} {'vs f+b':>8} {'TF/s':>5} {'flexD':>8} " \
+    hdr = f"{'S':>7} {'T':>6} {'frac':>6} {'idx ms':>7} {'idx tch':>7} {'vs f':>8} {'vs f+b':>8} {'TF/s':>5} {'flexD':>8} " \
           f"{'TF/s':>5} {'cover':>8} {'x flexD':>7} {'x cover':>7} {'sdpa':>8}"
     print(hdr)
     for r in rows:
-        print(f"{r['S']:>7} {r['T']:>6} {r['fraction']:>6.3f} {r['idx_ms']:>7.2f} {r['vs_f_ms']:>8.2f} "
+        print(f"{r['S']:>7} {r['T']:>6} {r['fraction']:>6.3f} {r['idx_ms']:>7.2f} {r['idx_torch_ms']:>7.2f} "
+              f"{r['vs_f_ms']:>8.2f} "
               f"{r['vs_fb_ms']:>8.2f} {r['vs_tflops']:>5.0f} {r.get('flex_fb_ms', math.nan):>8.1f} "
               f"{r.get('flex_tflops', math.nan):>5.0f} {r.get('flex_cover_fb_ms', math.nan):>8.1f} "
               f"{r.get('speedup_vs_flex_dense', math.nan):>7.1f} {r.get('speedup_vs_flex_cover', math.nan):>7.1f} "

@@ -2,28 +2,33 @@
 
 Shape legend: B batch, H query heads, Hkv key/value heads (GQA: query head h reads KV head h // (H // Hkv); K/V
 are never repeated), Sq / Sk query / key lengths (may differ), D head dim (16..256, power of two; 64 and 128
-tested), BM / BN query / key tile sizes, C = 64 gathered key columns per step.
+tested), BM / BN query / key tile sizes, gathered key columns in chunks of 64 slots (one int64 bit word each).
 
 Algorithm (flash-attention 2 style, online softmax in base 2):
 
 - Forward, one program per (query tile m, batch b, query head h): loops over (1) the key tiles of
   ``tiles.fwd_idx[b, h, m]`` that need the token mask ``k_pos <= q_pos`` (and key index < Sk), (2) the key
-  tiles that need no mask, (3) the gathered key columns: for each chunk j of 64 entries of ``tiles.col_idx[b, h]``
-  whose bitmask ``tiles.col_bits[b, h, m, j]`` is non-zero, the 64 K/V rows are gathered and the bits plus the
-  token mask select the pairs. Writes out (q.dtype, or the dtype of a given running ``out``) and the natural-log
+  tiles that need no mask, (3) the gathered key columns: the slots of ``tiles.col_idx[b, h]`` up to the last
+  chunk whose bit word ``tiles.col_bits[b, h, m, j]`` is non-zero, ``KernelConfig.col_step`` (64) slots per
+  step; the K/V rows are gathered and the bits plus the token mask select the pairs (no branch on the bits, so
+  the loads pipeline). Writes out (q.dtype, or the dtype of a given running ``out``) and the natural-log
   ``lse`` (float32). With a running ``(out, lse)`` given, the block result is merged into it by log-sum-exp
   inside the kernel (in place), for ring use.
-- Backward from the FINAL out and lse (``delta = rowsum(dout * out)``): three kernels, no atomics, bit-identical
-  across runs. dq: one program per query tile, the forward's loops. dk/dv of tiles: one program per (key tile,
-  batch, KV head), looping over the query heads of the group and the key-tile-major lists ``tiles.bwd_idx``, a
-  query tile taller than ``KernelConfig.sub_m`` = 64 rows walked 64 rows at a time in one flat loop; it owns its
-  rows of dk/dv, so it writes them once. dk/dv of gathered columns: one program per (column chunk, batch * query
-  head, range of query tiles) over the query tiles whose bits are non-zero; it writes partials [P, B, H, NC, D]
-  that are summed over the P ranges in a fixed order and added into dk/dv by ``index_add_`` once per query head
-  of a group (a head's columns are unique, padding slots add exact zeros), which is order-independent.
-  Measured alternative, not kept: dq accumulated inside the dk/dv kernels with float32 atomic adds or TMA
-  reduce-adds (5 matmuls per tile pair instead of 7) was 2-16% slower end to end on an H200
-  (``benchmarks/RESULTS.md``, kernel run 3).
+- Backward from the FINAL out and lse: a preprocess kernel (``delta = rowsum(dout * out)`` and the base-2 lse),
+  then three kernels, no atomics, bit-identical across runs.
+  dq: one program per query tile, the forward's loops; written in ``grad_dtype`` directly.
+  dk/dv of tiles: one program per (key tile, batch, KV head), looping over the query heads of the group and the
+  key-tile-major lists ``tiles.bwd_idx``, a query tile taller than ``KernelConfig.sub_m`` = 64 rows walked 64
+  rows at a time in one flat loop; it owns its rows of dk/dv, so it writes them once.
+  dk/dv of gathered columns: one program per (``KernelConfig.col_block`` = 128 column slots, batch * query head,
+  part p): the query tiles from the first to the last with a bit set in those slots, split evenly over the P
+  parts; it writes partials [P, B, H, NC, D] that are summed over the parts in a fixed order and added into
+  float32 dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots add
+  exact zeros), which is order-independent.
+  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 and 4): dq accumulated inside the
+  dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per tile pair instead of 7) was 2-16%
+  slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower (spills); 64-slot column dk/dv
+  programs made the whole call 12-23% slower than 128-slot ones (separate runs).
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
 ``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
@@ -58,8 +63,10 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E_C = tl.constexpr(LOG2E)
 POS_MAX = tl.constexpr(2**31 - 1)  # position of a key past the end: never visible
 POS_MIN = tl.constexpr(-(2**31))  # position of a query past the end: sees nothing
+CHUNK = tl.constexpr(COL_CHUNK)  # column slots per bit word
 
 # --------------------------------------------------------------------------------------------------------------
 # jit helpers
@@ -115,6 +122,55 @@ def _load_rows(base, offs, stride, offs_d, n):
 
 
 @triton.jit
+def _col_chunk_end(bits_base, J, BLOCK_J: tl.constexpr):
+    """1 + the last column chunk with a bit set in this query tile's row of bits (0 if none). Columns are sorted,
+    so the chunks a query tile sees form a prefix; walking [0, end) without a branch lets the loads pipeline (a
+    chunk with no bit set inside it, e.g. wholly covered by computed tiles, is computed fully masked)."""
+    offs_j = tl.arange(0, BLOCK_J)
+    row = tl.load(bits_base + offs_j, mask=offs_j < J, other=0)
+    return tl.max(tl.where(row != 0, offs_j + 1, 0), 0)
+
+
+@triton.jit
+def _col_sel(bits_row, j0, J, offs_c, BLOCK_C: tl.constexpr):
+    """Which of the column slots ``j0 * 64 + offs_c`` are gathered, from a query tile's row of bit words (one word per
+    64-slot chunk; chunks >= J, past the end, select nothing)."""
+    if BLOCK_C == CHUNK:  # one word: a scalar load (fewer registers than a vector of words)
+        word = tl.load(bits_row + j0, mask=j0 < J, other=0)
+        return ((word >> offs_c.to(tl.int64)) & 1) != 0
+    else:
+        jj = j0 + offs_c // CHUNK
+        word = tl.load(bits_row + jj, mask=jj < J, other=0)
+        return ((word >> (offs_c % CHUNK).to(tl.int64)) & 1) != 0
+
+
+@triton.jit
+def _gather_cols(c_base, k_base, v_base, KPos, bits_row, j, J, offs_c, offs_d, sks, svs, BLOCK_C: tl.constexpr):
+    """K/V rows and positions of column step j (slots j * BLOCK_C + offs_c) of a query tile; unselected slots give
+    zero rows and an invisible position. The column indices are loaded independently of the bits (no chain)."""
+    sel = _col_sel(bits_row, j * (BLOCK_C // CHUNK), J, offs_c, BLOCK_C)
+    cols = tl.load(c_base + j * BLOCK_C + offs_c, mask=j * BLOCK_C + offs_c < J * CHUNK, other=0)
+    k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=sel[:, None], other=0.0)
+    v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
+    k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
+    return k, v, k_pos
+
+
+@triton.jit
+def _bits_range(bits_col, sbm, Mq, n_rows, BLOCK: tl.constexpr):
+    """(first, last + 1) query tile whose bits in this column chunk are non-zero, over the first ``n_rows`` tiles
+    ((Mq, Mq) if none)."""
+    first = Mq
+    last = -1
+    for m0 in range(0, n_rows, BLOCK):
+        offs = m0 + tl.arange(0, BLOCK)
+        nz = tl.load(bits_col + offs.to(tl.int64) * sbm, mask=offs < Mq, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(nz, offs, Mq), 0))
+        last = tl.maximum(last, tl.max(tl.where(nz, offs, -1), 0))
+    return first, tl.maximum(last + 1, first)
+
+
+@triton.jit
 def _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, offs_m, offs_d, sqs, sds, Sq):
     """Query-side operands of a dk/dv step; rows past Sq: q = do = 0, lse2 = +inf (p = 0), no position."""
     row_ok = offs_m < Sq
@@ -152,15 +208,19 @@ def _num_warps(bm: int, bn: int, d: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch settings of the kernels (defaults chosen on an H200: ``benchmarks/RESULTS.md``, kernel run 3).
+    """Launch settings of the kernels (defaults chosen on an H200: ``benchmarks/RESULTS.md``, kernel runs 3-4).
 
     Args:
         fwd_warps / bwd_warps: warps per program (None: 8 for head dim >= 64, else 4).
         fwd_stages / bwd_stages: software-pipelining depth of the loops.
         sub_m: query rows per dk/dv step (a taller query tile is walked sub_m rows at a time).
         sub_n: keys per forward / dq step (a wider key tile is walked sub_n keys at a time).
-        col_split: programs per gathered-column chunk in the column dk/dv kernel, each taking a contiguous range
-            of query tiles and writing its own partial sums (None: enough for ~8 programs per SM).
+        col_split: programs per gathered-column chunk in the column dk/dv kernel, each taking an equal share of
+            the query tiles that see the chunk and writing its own partial sums (None: ~8 programs per SM).
+        col_sub_m: query rows per step of the column dk/dv kernel (None: ``sub_m``).
+        col_step: gathered column slots per step of the forward and dq kernels (64, 128 or 256: whole 64-slot
+            chunks).
+        col_block: gathered column slots per program of the column dk/dv kernel (64, 128 or 256).
     """
 
     fwd_warps: int | None = None
@@ -170,10 +230,18 @@ class KernelConfig:
     sub_m: int = 64
     sub_n: int = 128
     col_split: int | None = None
+    col_sub_m: int | None = None
+    col_step: int = 64
+    col_block: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("sub_m", "sub_n"):
+        for name in ("col_step", "col_block"):
+            if getattr(self, name) not in (64, 128, 256):
+                raise ValueError(f"KernelConfig.{name}={getattr(self, name)}; expected 64, 128 or 256")
+        for name in ("sub_m", "sub_n", "col_sub_m"):
             val = getattr(self, name)
+            if val is None and name == "col_sub_m":
+                continue
             if val < 16 or val & (val - 1):
                 raise ValueError(f"KernelConfig.{name}={val}; expected a power of two >= 16")
         if self.col_split is not None and self.col_split < 1:
@@ -195,7 +263,7 @@ def _vs_fwd_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr,
+    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -232,19 +300,14 @@ def _vs_fwd_kernel(
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, q_pos, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
-        bit_ids = offs_c.to(tl.int64)
         c_base = ColIdx + b * sib + h * sih
         bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
-        for j in range(0, J):
-            bits = tl.load(bits_base + j)
-            if bits != 0:
-                sel = ((bits >> bit_ids) & 1) != 0
-                cols = tl.load(c_base + j * BLOCK_C + offs_c)
-                k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=sel[:, None], other=0.0)
-                v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
-                k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
-                allowed = k_pos[None, :] <= q_pos[:, None]
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+        NW: tl.constexpr = BLOCK_C // CHUNK  # bit words (64-slot chunks) per step
+        for j in range(0, tl.cdiv(_col_chunk_end(bits_base, J, BLOCK_J), NW)):  # no branch on bits: loads pipeline
+            k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
+                                       BLOCK_C)
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -269,6 +332,27 @@ def _vs_fwd_kernel(
 
 
 @triton.jit
+def _bwd_preprocess_kernel(
+    Out, DO, Lse, Delta, Lse2, Sq, H,
+    sob, soh, sos, sdb, sdh, sds, slb, slh, sls,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf where lse = -inf: p = 0), both [B, H, Sq] fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b64, h64 = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < Sq
+    o = _load_rows(Out + b64 * sob + h64 * soh, offs_m, sos, offs_d, Sq).to(tl.float32)
+    do = _load_rows(DO + b64 * sdb + h64 * sdh, offs_m, sds, offs_d, Sq).to(tl.float32)
+    lse = tl.load(Lse + b64 * slb + h64 * slh + offs_m * sls, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * Sq + offs_m, tl.sum(o * do, 1), mask=ok)
+    tl.store(Lse2 + pid_bh.to(tl.int64) * Sq + offs_m, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C),
+             mask=ok)
+
+
+@triton.jit
 def _vs_bwd_dq_kernel(
     Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
@@ -276,7 +360,7 @@ def _vs_bwd_dq_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr,
+    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -316,21 +400,16 @@ def _vs_bwd_dq_kernel(
         dq = _dq_step(dq, q, do, lse2, delta, k, v, q_pos, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
-        bit_ids = offs_c.to(tl.int64)
         c_base = ColIdx + b * sib + h * sih
         bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
-        for j in range(0, J):
-            bits = tl.load(bits_base + j)
-            if bits != 0:
-                sel = ((bits >> bit_ids) & 1) != 0
-                cols = tl.load(c_base + j * BLOCK_C + offs_c)
-                k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=sel[:, None], other=0.0)
-                v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
-                k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
-                allowed = k_pos[None, :] <= q_pos[:, None]
-                dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+        NW: tl.constexpr = BLOCK_C // CHUNK
+        for j in range(0, tl.cdiv(_col_chunk_end(bits_base, J, BLOCK_J), NW)):
+            k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
+                                       BLOCK_C)
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
     dq_ptrs = DQ + pid_bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptrs, dq * sm_scale, mask=row_ok[:, None])
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -374,21 +453,22 @@ def _vs_bwd_dkdv_kernel(
             dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
                                     row_base, offs_d, sqs, sds, Sq, qk_scale, False, False)
     out_off = pid_bk.to(tl.int64) * Sk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out_off, dk * sm_scale, mask=offs_n[:, None] < Sk)
-    tl.store(DV + out_off, dv, mask=offs_n[:, None] < Sk)
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < Sk)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < Sk)
 
 
 @triton.jit
 def _vs_bwd_dkdv_cols_kernel(
     Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
     ColIdx, ColBits,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC, MPART, BH,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC, P, BH,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SUB_M: tl.constexpr,
 ):
-    """One program per (column chunk j, batch * head, part p): query tiles [p * MPART, (p + 1) * MPART); writes its
-    partial dk/dv of the chunk's 64 columns to DKC/DVC [P, B*H, NC, D] (summed by the launcher in a fixed order)."""
+    """One program per (BLOCK_C column slots = BLOCK_C / 64 chunks, batch * head, part p): the p-th of P equal ranges
+    of the query tiles that see those chunks; writes its partial dk/dv of the slots to DKC/DVC [P, B*H, NC, D]
+    (summed by the launcher in a fixed order)."""
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -396,33 +476,44 @@ def _vs_bwd_dkdv_cols_kernel(
     h = pid_bh % H
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
+    NW: tl.constexpr = BLOCK_C // CHUNK  # bit words (64-slot chunks) per program
+    J = NC // CHUNK
+    j0 = pid_j * NW
     offs_c = tl.arange(0, BLOCK_C)
     offs_m0 = tl.arange(0, SUB_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    bit_ids = offs_c.to(tl.int64)
-    cols = tl.load(ColIdx + b * sib + h * sih + pid_j * BLOCK_C + offs_c)
+    slot_ok = j0 * CHUNK + offs_c < NC
+    cols = tl.load(ColIdx + b * sib + h * sih + j0 * CHUNK + offs_c, mask=slot_ok, other=0)
     k = tl.load(K + b64 * skb + hk64 * skh + cols[:, None] * sks + offs_d[None, :])  # padding slots hold column 0
     v = tl.load(V + b64 * svb + hk64 * svh + cols[:, None] * svs + offs_d[None, :])
     k_pos = tl.load(KPos + cols)
     q_base = Q + b64 * sqb + h64 * sqh
     do_base = DO + b64 * sdb + h64 * sdh
     row_base = pid_bh * Sq
-    bits_base = ColBits + b * sbb + h * sbh + pid_j
+    bits_base = ColBits + b * sbb + h * sbh
     dk = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
     R: tl.constexpr = BLOCK_M // SUB_M  # SUB_M query rows per step, one flat loop
-    m_lo = pid_p * MPART
-    m_hi = tl.minimum(m_lo + MPART, Mq)
+    # the query tiles with bits in these chunks, [first, end), split evenly over the P programs of the chunks; the
+    # loop has no branch on the bits (so its loads pipeline): a tile with no bit set inside the range is masked
+    first = Mq
+    end = 0
+    for w in tl.static_range(NW):
+        f_w, e_w = _bits_range(bits_base + j0 + w, sbm, Mq, tl.where(j0 + w < J, Mq, 0), 1024)
+        first = tl.minimum(first, f_w)
+        end = tl.maximum(end, tl.where(f_w < Mq, e_w, 0))
+    end = tl.maximum(end, first)
+    part = tl.cdiv(end - first, P)
+    m_lo = first + pid_p * part
+    m_hi = tl.minimum(m_lo + part, end)
     for i in range(m_lo * R, m_hi * R):
-        bits = tl.load(bits_base + (i // R) * sbm)
-        if bits != 0:
-            sel = ((bits >> bit_ids) & 1) != 0
-            row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
-            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
-                                    row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
-    out_off = ((pid_p * BH + pid_bh).to(tl.int64) * NC + pid_j * BLOCK_C + offs_c[:, None]) * HEAD_DIM
-    tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale)
-    tl.store(DVC + out_off + offs_d[None, :], dv)
+        sel = _col_sel(bits_base + (i // R) * sbm, j0, J, offs_c, BLOCK_C)
+        row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
+        dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
+    out_off = ((pid_p * BH + pid_bh).to(tl.int64) * NC + j0 * CHUNK + offs_c[:, None]) * HEAD_DIM
+    tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale, mask=slot_ok[:, None])
+    tl.store(DVC + out_off + offs_d[None, :], dv, mask=slot_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -527,8 +618,8 @@ def block_forward(
         scale * LOG2E, Sq, Sk, H, H // Hkv, J,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, SUB_N=min(BN, cfg.sub_n), HAS_COLS=J > 0,
-        HAS_PREV=has_prev,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=min(BN, cfg.sub_n), HAS_COLS=J > 0,
+        HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)),
         num_warps=cfg.fwd_warps or _num_warps(BM, BN, D), num_stages=cfg.fwd_stages,
     )
     return out, lse
@@ -548,8 +639,13 @@ def block_backward(
     block_m: int = 64,
     block_n: int = 64,
     config: KernelConfig | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (float32) of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
+    """Gradients of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
+
+    ``grad_dtype``: dtype of the returned (dq, dk, dv); None gives float32 (what a ring accumulates across steps).
+    The kernels accumulate in float32 and write dq (and dk/dv when there are no gathered columns) in that dtype
+    directly; gathered-column partials are added to float32 dk/dv first, then cast.
 
     Deterministic (bit-identical across runs): every element is written by one program, plus (gathered columns
     only) a fixed-order sum over query-range parts and one ``index_add_`` per query head of a KV group with unique
@@ -561,12 +657,22 @@ def block_backward(
     Hkv, Sk = k.shape[1], k.shape[2]
     G = H // Hkv
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # [B, H, Sq]
-    lse2 = torch.where(torch.isneginf(lse), torch.inf, lse.float() * LOG2E).contiguous()  # no key: p = 0
-    dq = torch.empty(B, H, Sq, D, dtype=torch.float32, device=q.device)
-    dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32, device=q.device)
-    dv = torch.empty_like(dk)
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != (B, H, Sq):
+        raise ValueError(f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)} do not match q "
+                         f"{tuple(q.shape)}")
+    gdt = grad_dtype or torch.float32
+    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
+        out, dout, lse, delta, lse2, Sq, H, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
+        HEAD_DIM=D, BLOCK=64,
+    )
     BM, BN = tiles.block_m, tiles.block_n
+    has_cols = tiles.col_idx is not None
+    dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
+    dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
+    dv = torch.empty_like(dk)
     sub_m, sub_n = min(BM, cfg.sub_m), min(BN, cfg.sub_n)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
@@ -574,7 +680,8 @@ def block_backward(
     _vs_bwd_dq_kernel[(triton.cdiv(Sq, BM), B * H)](
         q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
         scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=COL_CHUNK, SUB_N=sub_n, HAS_COLS=J > 0,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+        BLOCK_J=triton.next_power_of_2(max(J, 1)),
         num_warps=cfg.bwd_warps or _num_warps(BM, sub_n, D), num_stages=cfg.bwd_stages,
     )
     (bi, bc, bn), bstr = _list_args(tiles, "bwd")
@@ -586,16 +693,15 @@ def block_backward(
     )
     if J > 0:
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
-        P = cfg.col_split or _col_split(J * B * H, Mq, q.device)
-        mpart = triton.cdiv(Mq, min(P, Mq))
-        P = triton.cdiv(Mq, mpart)
+        P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+        col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
         dkc = torch.empty(P, B, H, NC, D, dtype=torch.float32, device=q.device)
         dvc = torch.empty_like(dkc)
-        _vs_bwd_dkdv_cols_kernel[(J, B * H, P)](
+        _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
             q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
-            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, mpart, B * H, *strides, *cstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=COL_CHUNK, SUB_M=sub_m,
-            num_warps=cfg.bwd_warps or _num_warps(sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
+            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+            num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
         )
         if P > 1:  # fixed summation order over the parts: deterministic
             dkc, dvc = dkc.sum(0), dvc.sum(0)
@@ -610,7 +716,7 @@ def block_backward(
             rows = (base + cols[:, :, g]).reshape(-1)
             dk2.index_add_(0, rows, dkc5[:, :, g].reshape(-1, D))
             dv2.index_add_(0, rows, dvc5[:, :, g].reshape(-1, D))
-    return dq, dk, dv
+    return dq, dk.to(gdt), dv.to(gdt)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -630,8 +736,8 @@ class _VerticalSlashAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
         dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
-                                    config=ctx.config)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+                                    config=ctx.config, grad_dtype=q.dtype)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def vertical_slash_attention(

@@ -32,6 +32,7 @@ CHECKS = [
     "backward_deterministic",
     "triton_block_op_matches_torch_block_op",
     "rectangular_tiles_and_dkdv_subtiles",
+    "triton_list_builder_matches_torch",
 ]
 
 
@@ -93,12 +94,13 @@ def _run_checks() -> dict[str, str]:
         if not (torch.isfinite(got).all() and err <= atol + rtol * want.abs().max().item()):
             raise AssertionError(f"{name}: max abs err {err:.3e} > {atol:.1e} (+{rtol} rel)")
 
-    def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None, config=None):
+    def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None, config=None,
+                      backend="torch"):
         q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
         dout = torch.randn(B, H, S, D)
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         vi_h, si_h = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
-        tiles = pattern_tile_lists(vi_h, si_h, S, T, TN)
+        tiles = pattern_tile_lists(vi_h, si_h, S, T, TN, backend=backend)
         pos = torch.arange(S)
         mask = vertical_slash_mask(vi_h, si_h, S, T, block_n=TN)
         assert torch.equal(mask, tile_lists_mask(tiles, pos, pos)), "lists != definition"
@@ -125,6 +127,7 @@ def _run_checks() -> dict[str, str]:
         si[1, 2, 2:] = -1
         si[0, 3, :] = -1  # no slash at all: only gathered columns (no diagonal tile either)
         check_pattern(B, H, Hkv, S, D, T, vi, si)
+        check_pattern(B, H, Hkv, S, D, T, vi, si, backend="triton")  # the kernels on the Triton-built lists
 
     def pattern_per_group_d64():
         B, H, Hkv, S, D, T = 1, 6, 2, 97, 64, 32
@@ -221,6 +224,14 @@ def _run_checks() -> dict[str, str]:
         for n, got, want, tor in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:]), torch_res):
             tol = 2 * (tor.double() - want).abs().max().item() + 2e-3
             close(f"fp16 {n}", got, want, tol)
+        # grad_dtype: the kernels write float16 gradients straight from their float32 accumulators (with columns:
+        # dk/dv after the float32 column adds), which must be bit-identical to the float32 result cast afterwards
+        empty = pattern_tile_lists(vi_h[..., :0], si_h, S, T)  # no verticals: dk/dv written in float16 directly
+        for tl_ in (tiles, empty):
+            g32 = block_backward(*h16[:3], out, lse, h16[3], pos, pos, scale, tiles=tl_)
+            g16 = block_backward(*h16[:3], out, lse, h16[3], pos, pos, scale, tiles=tl_, grad_dtype=torch.float16)
+            for n, a, b in zip(("dq", "dk", "dv"), g16, g32):
+                assert a.dtype == torch.float16 and torch.equal(a, b.half()), f"grad_dtype {n}"
 
     def backward_deterministic():
         B, H, Hkv, S, D, T = 1, 4, 1, 64, 16, 16
@@ -269,9 +280,46 @@ def _run_checks() -> dict[str, str]:
             check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16, config=cfg)
             check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16, config=cfg)
         # square 32 x 32 tiles walked in 16-row and 16-key steps (forward, dq and dk/dv kernels), and the column
-        # dk/dv kernel split into query-tile ranges (5 tiles, 3 parts of 2, 2, 1: uneven)
+        # dk/dv kernel splitting each chunk's query-tile range into parts (3 parts of <= 5 tiles: uneven, some
+        # parts empty), walking it 16 rows at a time (col_sub_m) or whole
         check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(sub_m=16, sub_n=16, col_split=3))
+        check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(col_sub_m=16, col_split=2))
         check_pattern(B, H, Hkv, S, D, 16, vi, si, config=KernelConfig(col_split=4))
+        check_pattern(B, H, Hkv, S, D, 16, vi, si, config=KernelConfig(col_split=20))  # more parts than tiles
+        # many columns (3 chunks of 64 slots: odd) taken 64, 128 and 256 slots at a time in every kernel;
+        # the second head has fewer columns (a chunk of pure padding) and no slash
+        vi2 = torch.randint(0, 300, (1, 2, 280))
+        vi2[0, 1, 100:] = -1
+        si2 = torch.tensor([[[0, 70], [-1, -1]]])
+        for cb in (64, 128, 256):
+            check_pattern(1, 2, 1, 300, 16, 32, vi2, si2, config=KernelConfig(col_step=cb, col_block=cb, col_split=2))
+
+    def triton_list_builder_matches_torch():
+        # list_builder's five kernels against the torch builder: every valid list entry, count and column bit
+        # equal (integers: exact), over ragged lengths, square and BM = r * BN tiles, padding (< 0), out-of-range
+        # values (>= S, ignored), duplicates, empty patterns, and lists longer than one kernel chunk (L > 64
+        # offsets, > 1024 tile offsets, > 1024 verticals)
+        g = torch.Generator().manual_seed(1)
+        cases = [(1000, 64, 64, 2, 3, 70, 9), (333, 32, 16, 1, 3, 0, 5), (517, 64, 16, 2, 2, 200, 40),
+                 (64, 64, 64, 1, 2, 7, 0), (1, 16, 16, 1, 1, 3, 2), (700, 128, 32, 1, 2, 0, 0),
+                 (4100, 16, 16, 1, 2, 300, 200), (20000, 32, 16, 1, 1, 1500, 300)]
+        for S, BM, BN, B, H, nv, ns in cases:
+            vi = torch.randint(-3, S + 2, (B, H, nv), generator=g)
+            si = torch.randint(-3, S + 2, (B, H, ns), generator=g)
+            if ns:
+                si[..., 0] = 0
+            if nv > 4:
+                vi[..., 1] = vi[..., 2]
+            a = pattern_tile_lists(vi, si, S, BM, BN, backend="torch")
+            b = pattern_tile_lists(vi.int(), si, S, BM, BN, backend="triton")
+            where = f"S={S} {BM}x{BN} nv={nv} ns={ns}"
+            for n in ("fwd_idx", "fwd_cnt", "fwd_nmask", "bwd_cnt", "bwd_nmask", "col_idx", "col_bits"):
+                x, y = getattr(a, n), getattr(b, n)
+                assert (x is None) == (y is None), f"{where}: {n} present in one builder only"
+                assert x is None or (x.shape == y.shape and torch.equal(x, y)), f"{where}: {n} differs"
+            valid = torch.arange(a.bwd_idx.shape[-1]) < a.bwd_cnt[..., None]  # padding beyond the count: unused
+            assert a.bwd_idx.shape == b.bwd_idx.shape, where
+            assert torch.equal(a.bwd_idx[valid], b.bwd_idx[valid]), f"{where}: bwd_idx differs"
 
     results = {}
     for name in CHECKS:

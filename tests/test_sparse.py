@@ -118,9 +118,22 @@ def test_validation_errors(change, err, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(sub_m=24), "sub_m=24"), (dict(sub_n=8), "sub_n=8"),
-                                          (dict(col_split=0), "col_split=0")])
+                                          (dict(col_split=0), "col_split=0"),
+                                          (dict(col_sub_m=24), "col_sub_m=24"),
+                                          (dict(col_block=96), "col_block=96"),
+                                          (dict(col_step=32), "col_step=32")])
 def test_kernel_config_rejects_bad_values(kwargs, match):
     from mtraining_kernels.vertical_slash import KernelConfig
 
     with pytest.raises(ValueError, match=match):
         KernelConfig(**kwargs)
+
+
+def test_pattern_tile_lists_rejects_bad_backend_and_shapes():
+    from mtraining_kernels.indexing import pattern_tile_lists
+
+    vi, si = torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        pattern_tile_lists(vi, si, 100, 16, backend="cuda")
+    with pytest.raises(ValueError, match="must share"):
+        pattern_tile_lists(vi, si[:, :1], 100, 16, backend="triton")  # checked before any kernel launch
