@@ -166,6 +166,8 @@ def pattern_tile_lists_triton(
         raise ValueError(
             f"vertical_idx {tuple(vertical_idx.shape)} and slash_idx {tuple(slash_idx.shape)} must share [B, H]"
         )
+    if vertical_idx.device != slash_idx.device:
+        raise ValueError(f"vertical_idx is on {vertical_idx.device} but slash_idx is on {slash_idx.device}")
     R, S = BM // BN, seq_len
     dev = vertical_idx.device
     B, H = vertical_idx.shape[:2]

@@ -137,3 +137,5 @@ def test_pattern_tile_lists_rejects_bad_backend_and_shapes():
         pattern_tile_lists(vi, si, 100, 16, backend="cuda")
     with pytest.raises(ValueError, match="must share"):
         pattern_tile_lists(vi, si[:, :1], 100, 16, backend="triton")  # checked before any kernel launch
+    with pytest.raises(ValueError, match="slash_idx is on meta"):
+        pattern_tile_lists(vi, si.to("meta"), 100, 16, backend="triton")
