@@ -37,7 +37,7 @@ valid slash offsets of that head. Tile (query tile m, key tile t) has offset u =
 Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
 are int32; one host sync reads the list width L and the gathered-column count. Measured on an H200 at 128K
-(16 heads, ~1100 verticals): Triton builder 0.23-0.58 ms, torch builder 2.1-3.9 ms (~190 small ops; launch-bound),
+(16 heads, ~1100 verticals): Triton builder 0.24-0.56 ms, torch builder 1.8-3.5 ms (~190 small ops; launch-bound),
 ``benchmarks/RESULTS.md`` kernel run 4.
 """
 
@@ -201,14 +201,20 @@ def pattern_tile_lists(
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r}; expected 'auto', 'torch' or 'triton'")
-    if backend == "triton" or (backend == "auto" and vertical_idx.is_cuda):
-        from mtraining_kernels.list_builder import pattern_tile_lists_triton
-
-        return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, block_m, block_n)
     BM = block_m
     BN = block_m if block_n is None else block_n
     if BM % BN:
         raise ValueError(f"block_m={BM} must be a multiple of block_n={BN}")
+    if vertical_idx.shape[:2] != slash_idx.shape[:2]:
+        raise ValueError(
+            f"vertical_idx {tuple(vertical_idx.shape)} and slash_idx {tuple(slash_idx.shape)} must share [B, H]"
+        )
+    if vertical_idx.device != slash_idx.device:
+        raise ValueError(f"vertical_idx is on {vertical_idx.device} but slash_idx is on {slash_idx.device}")
+    if backend == "triton" or (backend == "auto" and vertical_idx.is_cuda):
+        from mtraining_kernels.list_builder import pattern_tile_lists_triton
+
+        return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, BM, BN)
     r, S = BM // BN, seq_len
     dev = vertical_idx.device
     B, H = vertical_idx.shape[:2]

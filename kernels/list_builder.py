@@ -155,19 +155,12 @@ def _col_bits_kernel(VUniq, Comp, ColIdx, ColBits, NVW, UN, NC, J, Mq, S, BM: tl
 
 
 def pattern_tile_lists_triton(
-    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int = 64, block_n: int | None = None
+    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int
 ) -> TileLists:
-    """Same contract as :func:`mtraining_kernels.indexing.pattern_tile_lists` (patterns ``[B, H, n]``), in Triton."""
-    BM = block_m
-    BN = block_m if block_n is None else block_n
-    if BM % BN:
-        raise ValueError(f"block_m={BM} must be a multiple of block_n={BN}")
-    if vertical_idx.shape[:2] != slash_idx.shape[:2]:
-        raise ValueError(
-            f"vertical_idx {tuple(vertical_idx.shape)} and slash_idx {tuple(slash_idx.shape)} must share [B, H]"
-        )
-    if vertical_idx.device != slash_idx.device:
-        raise ValueError(f"vertical_idx is on {vertical_idx.device} but slash_idx is on {slash_idx.device}")
+    """The lists of :func:`mtraining_kernels.indexing.pattern_tile_lists` (patterns ``[B, H, n]``), in Triton.
+
+    Called through ``pattern_tile_lists``, which validates the arguments (tile shapes, [B, H] and devices)."""
+    BM, BN = block_m, block_n
     R, S = BM // BN, seq_len
     dev = vertical_idx.device
     B, H = vertical_idx.shape[:2]

@@ -122,6 +122,25 @@ def _load_rows(base, offs, stride, offs_d, n):
 
 
 @triton.jit
+def _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N: tl.constexpr,
+             SUB_N: tl.constexpr, MASKED: tl.constexpr):
+    """K/V of flat-loop step i of a query tile's key-tile list (tile i // R, slice i % R of SUB_N keys) and the mask
+    of allowed pairs; unmasked tiles are loaded without bounds checks and return no mask (q_pos, unused)."""
+    R: tl.constexpr = BLOCK_N // SUB_N
+    offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
+    if MASKED:
+        k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
+        v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
+        k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+    else:
+        k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
+        v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
+        allowed = q_pos
+    return k, v, allowed
+
+
+@triton.jit
 def _col_chunk_end(bits_base, J, BLOCK_J: tl.constexpr):
     """1 + the last column chunk with a bit set in this query tile's row of bits (0 if none). Columns are sorted,
     so the chunks a query tile sees form a prefix; walking [0, end) without a branch lets the loads pipeline (a
@@ -287,17 +306,13 @@ def _vs_fwd_kernel(
     nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
     R: tl.constexpr = BLOCK_N // SUB_N  # each key tile is walked SUB_N keys at a time, in one flat loop
     for i in range(0, nmask * R):  # tiles that need the token mask
-        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
-        k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
-        v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
-        k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
-        allowed = k_pos[None, :] <= q_pos[:, None]
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 True)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
     for i in range(nmask * R, cnt * R):  # tiles fully visible to every query of the tile
-        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
-        k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
-        v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, q_pos, qk_scale, False)
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 False)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih
@@ -387,17 +402,13 @@ def _vs_bwd_dq_kernel(
     nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
     R: tl.constexpr = BLOCK_N // SUB_N  # as in the forward: SUB_N keys per step, one flat loop
     for i in range(0, nmask * R):
-        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
-        k = _load_rows(k_base, offs_k, sks, offs_d, Sk)
-        v = _load_rows(v_base, offs_k, svs, offs_d, Sk)
-        k_pos = tl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
-        allowed = k_pos[None, :] <= q_pos[:, None]
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 True)
         dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
     for i in range(nmask * R, cnt * R):
-        offs_k = tl.load(f_base + i // R) * BLOCK_N + (i % R) * SUB_N + offs_n
-        k = tl.load(k_base + offs_k[:, None] * sks + offs_d[None, :])
-        v = tl.load(v_base + offs_k[:, None] * svs + offs_d[None, :])
-        dq = _dq_step(dq, q, do, lse2, delta, k, v, q_pos, qk_scale, False)
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 False)
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih

@@ -135,7 +135,10 @@ def test_pattern_tile_lists_rejects_bad_backend_and_shapes():
     vi, si = torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="backend='cuda'"):
         pattern_tile_lists(vi, si, 100, 16, backend="cuda")
-    with pytest.raises(ValueError, match="must share"):
-        pattern_tile_lists(vi, si[:, :1], 100, 16, backend="triton")  # checked before any kernel launch
-    with pytest.raises(ValueError, match="slash_idx is on meta"):
-        pattern_tile_lists(vi, si.to("meta"), 100, 16, backend="triton")
+    for backend in ("torch", "triton"):  # checked once, before dispatch (no kernel launch)
+        with pytest.raises(ValueError, match="must share"):
+            pattern_tile_lists(vi, si[:, :1], 100, 16, backend=backend)
+        with pytest.raises(ValueError, match="slash_idx is on meta"):
+            pattern_tile_lists(vi, si.to("meta"), 100, 16, backend=backend)
+        with pytest.raises(ValueError, match="multiple of block_n"):
+            pattern_tile_lists(vi, si, 100, 16, 32, backend=backend)
