@@ -184,13 +184,15 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
         common = dict(HEAD_DIM=D, BLOCK_M=block_m)
         sub = min(block_m, cfg.sub_m)
         bw = lambda bm, bn: cfg.bwd_warps or vs._num_warps(bm, bn, D)  # noqa: E731
+        rows = min(block_m, cfg.q_rows or block_m)
         sub_n = min(block_n, cfg.sub_n)
+        qprog = dict(ROWS=rows, HEAVY_FIRST=cfg.heavy_first)
         kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
-                                            HAS_PREV=False, BLOCK_J=32),
-                    cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(block_m, block_n, D))]
+                                            HAS_PREV=False, BLOCK_J=32, **qprog),
+                    cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(rows, block_n, D))]
         kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
-                                                   HAS_COLS=True, BLOCK_J=32),
-                        cfg.bwd_stages, bw(block_m, sub_n)))
+                                                   HAS_COLS=True, BLOCK_J=32, **qprog),
+                        cfg.bwd_stages, cfg.dq_warps or bw(rows, sub_n)))
         kernels += [
             (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
              bw(sub, block_n)),
@@ -233,7 +235,7 @@ def _config(spec: str):
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        kw[key] = int(val)
+        kw[key] = bool(int(val)) if key == "heavy_first" else int(val)
     return KernelConfig(**kw)
 
 

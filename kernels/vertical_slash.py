@@ -25,10 +25,15 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   parts; it writes partials [P, B, H, NC, D] that are summed over the parts in a fixed order and added into
   float32 dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots add
   exact zeros), which is order-independent.
-  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 and 4): dq accumulated inside the
+  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 5): dq accumulated inside the
   dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per tile pair instead of 7) was 2-16%
   slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower (spills); 64-slot column dk/dv
-  programs made the whole call 12-23% slower than 128-slot ones (separate runs).
+  programs made the whole call 12-23% slower than 128-slot ones (separate runs); ONE forward/dq loop over tiles
+  and columns (every step masked and gathered) was 10-78% slower in the forward (run 5). Kept as options, not
+  defaults (run 5): forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs
+  per SM) are 3-4% faster at 32K below 10% density with 64-key steps and 4-50% slower elsewhere. Default since
+  run 5: the heaviest query tiles are launched first (``KernelConfig.heavy_first``; 2% faster at 128K/20%, neutral
+  elsewhere).
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
 ``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
@@ -114,6 +119,24 @@ def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED: tl
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
+
+
+@triton.jit
+def _query_program(Sq, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """(query tile, batch * head, row indices) of a forward / dq program on the 1-D grid of (query programs per head)
+    x (batch * heads) programs, batch * head fastest: each ROWS-row slice of a BLOCK_M query tile is its own program,
+    reading the tile's lists. With HEAVY_FIRST the last query tiles (the most columns visible under causality) are
+    launched first, for all heads at once, so the short programs fill the tail of the launch."""
+    R: tl.constexpr = BLOCK_M // ROWS
+    n_q = tl.cdiv(Sq, BLOCK_M) * R  # query programs per (batch, head)
+    pid = tl.program_id(0)
+    bh_count = tl.num_programs(0) // n_q
+    pid_bh = pid % bh_count
+    p = pid // bh_count
+    if HEAVY_FIRST:
+        p = n_q - 1 - p
+    pid_m = p // R
+    return pid_m, pid_bh, pid_m * BLOCK_M + (p % R) * ROWS + tl.arange(0, ROWS)
 
 
 @triton.jit
@@ -240,6 +263,12 @@ class KernelConfig:
         col_step: gathered column slots per step of the forward and dq kernels (64, 128 or 256: whole 64-slot
             chunks).
         col_block: gathered column slots per program of the column dk/dv kernel (64, 128 or 256).
+        q_rows: query rows per forward / dq program (None: the whole query tile). A smaller power of two splits
+            each query tile of the lists into tile / q_rows programs (more, shorter programs that need fewer
+            registers; the K/V of the tile are then read once per slice).
+        dq_warps: warps per dq program (None: ``bwd_warps``).
+        heavy_first: launch the forward / dq programs of the last query tiles first (they see the most keys
+            under causality), all heads at once, so the short programs run last.
     """
 
     fwd_warps: int | None = None
@@ -252,14 +281,17 @@ class KernelConfig:
     col_sub_m: int | None = None
     col_step: int = 64
     col_block: int = 128
+    q_rows: int | None = None
+    dq_warps: int | None = None
+    heavy_first: bool = True
 
     def __post_init__(self) -> None:
         for name in ("col_step", "col_block"):
             if getattr(self, name) not in (64, 128, 256):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)}; expected 64, 128 or 256")
-        for name in ("sub_m", "sub_n", "col_sub_m"):
+        for name in ("sub_m", "sub_n", "col_sub_m", "q_rows"):
             val = getattr(self, name)
-            if val is None and name == "col_sub_m":
+            if val is None and name in ("col_sub_m", "q_rows"):
                 continue
             if val < 16 or val & (val - 1):
                 raise ValueError(f"KernelConfig.{name}={val}; expected a power of two >= 16")
@@ -283,23 +315,22 @@ def _vs_fwd_kernel(
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK_J: tl.constexpr,
+    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
     q_pos = tl.load(QPos + offs_m, mask=offs_m < Sq, other=POS_MIN)
     k_base = K + b64 * skb + hk64 * skh
     v_base = V + b64 * svb + hk64 * svh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
 
     f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
     cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
@@ -375,15 +406,14 @@ def _vs_bwd_dq_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr,
+    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr, ROWS: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
@@ -395,7 +425,7 @@ def _vs_bwd_dq_kernel(
     q_pos = tl.load(QPos + offs_m, mask=row_ok, other=POS_MIN)
     k_base = K + b64 * skb + hk64 * skh
     v_base = V + b64 * svb + hk64 * svh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
 
     f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
     cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
@@ -478,8 +508,8 @@ def _vs_bwd_dkdv_cols_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SUB_M: tl.constexpr,
 ):
     """One program per (BLOCK_C column slots = BLOCK_C / 64 chunks, batch * head, part p): the p-th of P equal ranges
-    of the query tiles that see those chunks; writes its partial dk/dv of the slots to DKC/DVC [P, B*H, NC, D]
-    (summed by the launcher in a fixed order)."""
+    of the query tiles that see those chunks; writes its partial dk/dv of the slots to DKC/DVC [P, GROUP, B, HKV,
+    NC, D] (summed by the launcher in a fixed order)."""
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -522,7 +552,9 @@ def _vs_bwd_dkdv_cols_kernel(
         row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
         dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
                                 row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
-    out_off = ((pid_p * BH + pid_bh).to(tl.int64) * NC + j0 * CHUNK + offs_c[:, None]) * HEAD_DIM
+    # partials laid out [P, GROUP, B, HKV, NC, D]: head g of every KV group is one contiguous slab for index_add_
+    slab = (pid_p * GROUP + h % GROUP) * (BH // GROUP) + b * (H // GROUP) + hk
+    out_off = (slab.to(tl.int64) * NC + j0 * CHUNK + offs_c[:, None]) * HEAD_DIM
     tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale, mask=slot_ok[:, None])
     tl.store(DVC + out_off + offs_d[None, :], dv, mask=slot_ok[:, None])
 
@@ -582,6 +614,11 @@ def _col_args(tiles: TileLists, dummy: torch.Tensor):
     return (ci, cb), [*_bstrides(ci, 2), *_bstrides(cb)], cb.shape[-1]
 
 
+def _query_grid(bh: int, sq: int, bm: int, rows: int) -> tuple[int]:
+    """1-D grid of the forward / dq kernels: (query tiles * bm / rows) * (batch * heads); see ``_query_program``."""
+    return (triton.cdiv(sq, bm) * (bm // rows) * bh,)
+
+
 def _col_split(programs: int, mq: int, device: torch.device) -> int:
     """Query-range parts per column chunk: about 8 programs per SM (CUDA), parts of >= 16 query tiles."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -623,15 +660,16 @@ def block_forward(
     BM, BN = tiles.block_m, tiles.block_n
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
-    grid = (triton.cdiv(Sq, BM), B * H)
-    _vs_fwd_kernel[grid](
+    rows = min(BM, cfg.q_rows or BM)
+    sub_n = min(BN, cfg.sub_n)
+    _vs_fwd_kernel[_query_grid(B * H, Sq, BM, rows)](
         q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb,
         scale * LOG2E, Sq, Sk, H, H // Hkv, J,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=min(BN, cfg.sub_n), HAS_COLS=J > 0,
-        HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)),
-        num_warps=cfg.fwd_warps or _num_warps(BM, BN, D), num_stages=cfg.fwd_stages,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+        HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+        num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages,
     )
     return out, lse
 
@@ -688,12 +726,13 @@ def block_backward(
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
-    _vs_bwd_dq_kernel[(triton.cdiv(Sq, BM), B * H)](
+    rows = min(BM, cfg.q_rows or BM)
+    _vs_bwd_dq_kernel[_query_grid(B * H, Sq, BM, rows)](
         q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
         scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-        BLOCK_J=triton.next_power_of_2(max(J, 1)),
-        num_warps=cfg.bwd_warps or _num_warps(BM, sub_n, D), num_stages=cfg.bwd_stages,
+        BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+        num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
     )
     (bi, bc, bn), bstr = _list_args(tiles, "bwd")
     _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
@@ -706,7 +745,7 @@ def block_backward(
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
         P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
         col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
-        dkc = torch.empty(P, B, H, NC, D, dtype=torch.float32, device=q.device)
+        dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
         dvc = torch.empty_like(dkc)
         _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
             q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
@@ -718,15 +757,14 @@ def block_backward(
             dkc, dvc = dkc.sum(0), dvc.sum(0)
         else:
             dkc, dvc = dkc[0], dvc[0]
-        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col
+        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
         cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
         base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
         dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
-        dkc5, dvc5 = dkc.view(B, Hkv, G, NC, D), dvc.view(B, Hkv, G, NC, D)
         for g in range(G):
             rows = (base + cols[:, :, g]).reshape(-1)
-            dk2.index_add_(0, rows, dkc5[:, :, g].reshape(-1, D))
-            dv2.index_add_(0, rows, dvc5[:, :, g].reshape(-1, D))
+            dk2.index_add_(0, rows, dkc[g].view(-1, D))
+            dv2.index_add_(0, rows, dvc[g].view(-1, D))
     return dq, dk.to(gdt), dv.to(gdt)
 
 

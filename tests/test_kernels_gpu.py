@@ -32,20 +32,37 @@ def _errors(got, ref):
     [(8192, 128, 64), (8191, 64, 64), (32768, 128, 64), (8192, 128, 128), (8191, 128, (128, 64)), (32767, 128, 128)],
 )
 def test_bf16_matches_fp32_reference(S, D, block):
+    _check_bf16(S, D, block)
+
+
+@pytest.mark.parametrize("config", ["q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64", "q_rows=32,sub_n=64,heavy_first=0"])
+def test_bf16_launch_settings_match_fp32_reference(config):
+    # the other launch settings (query tiles split over several programs, 4-warp programs, the other launch
+    # order) compute the same pairs: same rule, ragged length
+    from mtraining_kernels.vertical_slash import KernelConfig
+
+    kw = {key: int(val) for key, _, val in (item.partition("=") for item in config.split(","))}
+    _check_bf16(8191, 128, 128, KernelConfig(**kw))
+
+
+def _check_bf16(S, D, block, config=None):
     from lightning_mtraining.sparse import sparse_attention
-    from mtraining_kernels.indexing import expand_pattern
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
     from mtraining_kernels.reference import attention_chunked_ref, vertical_slash_mask
+    from mtraining_kernels.vertical_slash import vertical_slash_attention
 
     torch.manual_seed(0)
     B, H, Hkv = 1, 16, 2
     q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H))
     vi, si = _pattern(B, Hkv, S, 300, [0, 1, 64, 100, 1000, 3333], seed=S)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = sparse_attention(qg, kg, vg, vi, si, block_size=block)
-    out.backward(dout)
     vih, sih = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
-
     bm, bn = (block, block) if isinstance(block, int) else block
+    if config is None:
+        out = sparse_attention(qg, kg, vg, vi, si, block_size=block)
+    else:
+        out = vertical_slash_attention(qg, kg, vg, pattern_tile_lists(vih, sih, S, bm, bn), config=config)
+    out.backward(dout)
 
     def mask_rows(r0, r1):
         return vertical_slash_mask(vih, sih, S, bm, rows=(r0, r1), block_n=bn)

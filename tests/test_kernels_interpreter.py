@@ -286,6 +286,10 @@ def _run_checks() -> dict[str, str]:
         check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(col_sub_m=16, col_split=2))
         check_pattern(B, H, Hkv, S, D, 16, vi, si, config=KernelConfig(col_split=4))
         check_pattern(B, H, Hkv, S, D, 16, vi, si, config=KernelConfig(col_split=20))  # more parts than tiles
+        # forward / dq programs of 16 rows on 32- and 64-row query tiles (slices of a ragged last tile past Sq),
+        # in both launch orders
+        check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(q_rows=16, heavy_first=False))
+        check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16, config=KernelConfig(q_rows=16, dq_warps=2))
         # many columns (3 chunks of 64 slots: odd) taken 64, 128 and 256 slots at a time in every kernel;
         # the second head has fewer columns (a chunk of pure padding) and no slash
         vi2 = torch.randint(0, 300, (1, 2, 280))

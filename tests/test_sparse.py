@@ -121,7 +121,8 @@ def test_validation_errors(change, err, match):
                                           (dict(col_split=0), "col_split=0"),
                                           (dict(col_sub_m=24), "col_sub_m=24"),
                                           (dict(col_block=96), "col_block=96"),
-                                          (dict(col_step=32), "col_step=32")])
+                                          (dict(col_step=32), "col_step=32"),
+                                          (dict(q_rows=48), "q_rows=48")])
 def test_kernel_config_rejects_bad_values(kwargs, match):
     from mtraining_kernels.vertical_slash import KernelConfig
 
