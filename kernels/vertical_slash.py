@@ -6,7 +6,8 @@ tested), BM / BN query / key tile sizes, gathered key columns in chunks of 64 sl
 
 Algorithm (flash-attention 2 style, online softmax in base 2):
 
-- Forward, one program per (query tile m, batch b, query head h): loops over (1) the key tiles of
+- Forward, one program per (query tile m, batch b, query head h) (or per ``KernelConfig.q_rows``-row slice of
+  one; the last query tiles are launched first): loops over (1) the key tiles of
   ``tiles.fwd_idx[b, h, m]`` that need the token mask ``k_pos <= q_pos`` (and key index < Sk), (2) the key
   tiles that need no mask, (3) the gathered key columns: the slots of ``tiles.col_idx[b, h]`` up to the last
   chunk whose bit word ``tiles.col_bits[b, h, m, j]`` is non-zero, ``KernelConfig.col_step`` (64) slots per
@@ -22,7 +23,7 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   rows at a time in one flat loop; it owns its rows of dk/dv, so it writes them once.
   dk/dv of gathered columns: one program per (``KernelConfig.col_block`` = 128 column slots, batch * query head,
   part p): the query tiles from the first to the last with a bit set in those slots, split evenly over the P
-  parts; it writes partials [P, B, H, NC, D] that are summed over the parts in a fixed order and added into
+  parts; it writes partials [P, G, B, Hkv, NC, D] that are summed over the parts in a fixed order and added into
   float32 dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots add
   exact zeros), which is order-independent.
   Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 5): dq accumulated inside the
