@@ -33,9 +33,9 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   and columns (every step masked and gathered) was 10-78% slower in the forward (run 5). Kept as options, not
   defaults (run 5): forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs
   per SM), with 64-key steps, are 2-4% faster at 32K for 2-5% density, within 1.3% at 32K/10% and 128K/2%, and
-  3-7% slower at 32K/20% and 128K/5-20%. Default since
-  run 5: the heaviest query tiles are launched first (``KernelConfig.heavy_first``: 2-3.4% faster at 128K/20%,
-  1-1.5% slower at 128K/5-10%, neutral at 32K; kept for the densest, slowest calls).
+  3-7% slower at 32K/20% and 128K/5-20%. Default since run 5: the heaviest query tiles are launched first
+  (``KernelConfig.heavy_first``: 2-3.4% faster at 128K/20%, 1-1.5% slower at 128K/5-10%, neutral at 32K; kept for
+  the densest, slowest calls).
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
 ``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
