@@ -245,7 +245,7 @@ def _config(spec: str):
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        bools = ("heavy_first", "tile_loop", "early_loads", "fuse_delta")
+        bools = ("heavy_first", "tile_loop", "early_loads", "fuse_delta", "streams")
         kw[key] = bool(int(val)) if key in bools else int(val)
     return KernelConfig(**kw)
 

@@ -279,6 +279,8 @@ class KernelConfig:
             (None: one program per query slice).
         maxnreg: register cap per thread of the forward / dq kernels (None: the compiler's choice); lower caps
             fit more programs per SM, at the price of spills.
+        streams: on CUDA, run the dk/dv kernels on a second stream concurrently with the dq kernel (ignored with
+            ``fuse_delta``, whose dq kernel produces what the dk/dv kernels read).
     """
 
     fwd_warps: int | None = None
@@ -299,6 +301,7 @@ class KernelConfig:
     fuse_delta: bool = False
     persistent: int | None = None
     maxnreg: int | None = None
+    streams: bool = False
 
     def __post_init__(self) -> None:
         if self.persistent is not None and self.persistent < 1:
@@ -755,6 +758,17 @@ def _query_grid(bh: int, sq: int, bm: int, rows: int, cfg: KernelConfig, device:
     return (max(grid, 1),), n, opts
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of ``KernelConfig.streams`` on this device (one per device, reused)."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def _col_split(programs: int, mq: int, device: torch.device) -> int:
     """Query-range parts per column chunk: about 8 programs per SM (CUDA), parts of >= 16 query tiles."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -866,47 +880,63 @@ def block_backward(
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
-    grid, n_prog, opts = _query_grid(B * H, Sq, BM, rows, cfg, q.device)
-    _vs_bwd_dq_kernel[grid](
-        q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, out, lse,
-        scale * LOG2E, scale, Sq, Sk, H, G, J, B * H, n_prog, *strides, *fstr, *cstr,
-        *out.stride()[:3], *lse.stride(),
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-        BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-        TILE_LOOP=cfg.tile_loop, EARLY=cfg.early_loads, FUSE_DELTA=cfg.fuse_delta, PERSISTENT=grid[0] < n_prog,
-        num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages, **opts,
-    )
-    (bi, bc, bn), bstr = _list_args(tiles, "bwd")
-    _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
-        q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
-        scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m, TILE_LOOP=cfg.tile_loop,
-        num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
-    )
-    if J > 0:
-        NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
-        P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
-        col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
-        dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
-        dvc = torch.empty_like(dkc)
-        _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
-            q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
-            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
-            num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
+
+    def launch_dq():
+        grid, n_prog, opts = _query_grid(B * H, Sq, BM, rows, cfg, q.device)
+        _vs_bwd_dq_kernel[grid](
+            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, out, lse,
+            scale * LOG2E, scale, Sq, Sk, H, G, J, B * H, n_prog, *strides, *fstr, *cstr,
+            *out.stride()[:3], *lse.stride(),
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+            BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+            TILE_LOOP=cfg.tile_loop, EARLY=cfg.early_loads, FUSE_DELTA=cfg.fuse_delta, PERSISTENT=grid[0] < n_prog,
+            num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages, **opts,
         )
-        if P > 1:  # fixed summation order over the parts: deterministic
-            dkc, dvc = dkc.sum(0), dvc.sum(0)
-        else:
-            dkc, dvc = dkc[0], dvc[0]
-        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
-        cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
-        base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
-        dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
-        for g in range(G):
-            rows = (base + cols[:, :, g]).reshape(-1)
-            dk2.index_add_(0, rows, dkc[g].view(-1, D))
-            dv2.index_add_(0, rows, dvc[g].view(-1, D))
+
+    def launch_dkdv():
+        (bi, bc, bn), bstr = _list_args(tiles, "bwd")
+        _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
+            q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
+            scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m, TILE_LOOP=cfg.tile_loop,
+            num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
+        )
+        if J > 0:
+            NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
+            P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+            col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
+            dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
+            dvc = torch.empty_like(dkc)
+            _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
+                q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
+                scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
+                HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+                num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
+            )
+            if P > 1:  # fixed summation order over the parts: deterministic
+                dkc, dvc = dkc.sum(0), dvc.sum(0)
+            else:
+                dkc, dvc = dkc[0], dvc[0]
+            # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
+            cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
+            base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
+            dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
+            for g in range(G):
+                dst = (base + cols[:, :, g]).reshape(-1)
+                dk2.index_add_(0, dst, dkc[g].view(-1, D))
+                dv2.index_add_(0, dst, dvc[g].view(-1, D))
+
+    side = _side_stream(q.device) if cfg.streams and q.is_cuda and not cfg.fuse_delta else None
+    if side is None:
+        launch_dq()
+        launch_dkdv()
+    else:  # dk/dv (tiles, then columns) on a second stream, concurrent with dq: the kernels fill each other's tails
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            launch_dkdv()
+        launch_dq()
+        main.wait_stream(side)
     return dq, dk.to(gdt), dv.to(gdt)
 
 
