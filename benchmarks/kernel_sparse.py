@@ -187,16 +187,15 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
         bw = lambda bm, bn: cfg.bwd_warps or vs._num_warps(bm, bn, D)  # noqa: E731
         rows = min(block_m, cfg.q_rows or block_m)
         sub_n = min(block_n, cfg.sub_n)
-        qprog = dict(ROWS=rows, HEAVY_FIRST=cfg.heavy_first, TILE_LOOP=cfg.tile_loop, EARLY=cfg.early_loads,
-                     PERSISTENT=bool(cfg.persistent))
+        qprog = dict(ROWS=rows, HEAVY_FIRST=cfg.heavy_first)
         kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
                                             HAS_PREV=False, BLOCK_J=32, **qprog),
                     cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(rows, block_n, D))]
         kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
-                                                   HAS_COLS=True, BLOCK_J=32, FUSE_DELTA=cfg.fuse_delta, **qprog),
+                                                   HAS_COLS=True, BLOCK_J=32, **qprog),
                         cfg.bwd_stages, cfg.dq_warps or bw(rows, sub_n)))
         kernels += [
-            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub, TILE_LOOP=cfg.tile_loop), cfg.bwd_stages,
+            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
              bw(sub, block_n)),
             (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=cfg.col_block, SUB_M=min(block_m, cfg.col_sub_m or sub)),
              cfg.bwd_stages, bw(sub, COL_CHUNK)),
@@ -220,13 +219,11 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
             # the JIT's specialisation at the benchmark's shapes: 16-byte aligned pointers, and sizes / tensor
             # strides that are multiples of 16 marked divisible (list strides and counts left unmarked), so the
             # loads vectorise as on the GPU (without this the report compiles 2-byte loads)
-            div16 = {"Sq", "Sk", "H", "HKV", "BH", "N_PROG", "NC"}
+            div16 = {"Sq", "Sk", "H", "HKV", "BH", "NC"}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and (
                 sig[n].startswith("*") or n in div16 or re.fullmatch(r"s[qkvdol][bhs]", n))}
-            opts = {"num_warps": warps, "num_stages": stages}
-            if cfg.maxnreg and fn in (vs._vs_fwd_kernel, vs._vs_bwd_dq_kernel):
-                opts["maxnreg"] = cfg.maxnreg
-            k = triton.compile(ASTSource(fn, sig, const, attrs), target=target, options=opts)
+            k = triton.compile(ASTSource(fn, sig, const, attrs), target=target,
+                               options={"num_warps": warps, "num_stages": stages})
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(k.asm["cubin"])
                 f.flush()
@@ -245,8 +242,7 @@ def _config(spec: str):
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        bools = ("heavy_first", "tile_loop", "early_loads", "fuse_delta", "streams")
-        kw[key] = bool(int(val)) if key in bools else int(val)
+        kw[key] = bool(int(val)) if key == "heavy_first" else int(val)
     return KernelConfig(**kw)
 
 

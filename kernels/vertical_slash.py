@@ -26,11 +26,13 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   parts; it writes partials [P, G, B, Hkv, NC, D] that are summed over the parts in a fixed order and added into
   float32 dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots add
   exact zeros), which is order-independent.
-  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 5): dq accumulated inside the
+  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 6): dq accumulated inside the
   dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per tile pair instead of 7) was 2-16%
   slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower (spills); 64-slot column dk/dv
   programs made the whole call 12-23% slower than 128-slot ones (separate runs); ONE forward/dq loop over tiles
-  and columns (every step masked and gathered) was 10-78% slower in the forward (run 5). Kept as options, not
+  and columns (every step masked and gathered) was 10-78% slower in the forward (run 5); one masked loop over
+  the tiles (+21% per tile), the list scalars loaded before Q, delta computed in the dq kernel, persistent grids
+  and dk/dv on a second stream concurrent with dq gave nothing or lost (run 6). Kept as options, not
   defaults (run 5): forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs
   per SM), with 64-key steps, are 2-4% faster at 32K for 2-5% density, within 1.3% at 32K/10% and 128K/2%, and
   3-7% slower at 32K/20% and 128K/5-20%. Default since run 5: the heaviest query tiles are launched first
@@ -124,15 +126,17 @@ def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED: tl
 
 
 @triton.jit
-def _query_program(p, BH, Sq, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """(query tile, batch * head, row indices) of forward / dq program ``p`` on the 1-D grid of (query programs per
-    head) x (batch * heads ``BH``) programs, batch * head fastest: each ROWS-row slice of a BLOCK_M query tile is its
-    own program, reading the tile's lists. With HEAVY_FIRST the last query tiles (the most columns visible under
-    causality) are launched first, for all heads at once, so the short programs fill the tail of the launch."""
+def _query_program(Sq, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """(query tile, batch * head, row indices) of a forward / dq program on the 1-D grid of (query programs per head)
+    x (batch * heads) programs, batch * head fastest: each ROWS-row slice of a BLOCK_M query tile is its own program,
+    reading the tile's lists. With HEAVY_FIRST the last query tiles (the most columns visible under causality) are
+    launched first, for all heads at once, so the short programs fill the tail of the launch."""
     R: tl.constexpr = BLOCK_M // ROWS
     n_q = tl.cdiv(Sq, BLOCK_M) * R  # query programs per (batch, head)
-    pid_bh = p % BH
-    p = p // BH
+    pid = tl.program_id(0)
+    bh_count = tl.num_programs(0) // n_q
+    pid_bh = pid % bh_count
+    p = pid // bh_count
     if HEAVY_FIRST:
         p = n_q - 1 - p
     pid_m = p // R
@@ -269,18 +273,6 @@ class KernelConfig:
         dq_warps: warps per dq program (None: ``bwd_warps``).
         heavy_first: launch the forward / dq programs of the last query tiles first (they see the most keys
             under causality), all heads at once, so the short programs run last.
-        tile_loop: walk a query tile's key tiles (forward, dq) and a key tile's query tiles (dk/dv) in ONE loop
-            with every step masked, instead of a masked loop and an unmasked one (one pipeline fill, not two).
-        early_loads: in the forward / dq programs, load the list scalars and the column bit words before Q, so
-            their latency overlaps it (the loop bounds wait on them).
-        fuse_delta: the dq kernel computes ``delta = rowsum(dout * out)`` and the base-2 lse of its rows (and
-            stores them for the dk/dv kernels) instead of a separate preprocess pass over out and dout.
-        persistent: forward / dq grids of ``persistent`` programs per SM that stride over the query programs
-            (None: one program per query slice).
-        maxnreg: register cap per thread of the forward / dq kernels (None: the compiler's choice); lower caps
-            fit more programs per SM, at the price of spills.
-        streams: on CUDA, run the dk/dv kernels on a second stream concurrently with the dq kernel (ignored with
-            ``fuse_delta``, whose dq kernel produces what the dk/dv kernels read).
     """
 
     fwd_warps: int | None = None
@@ -296,18 +288,8 @@ class KernelConfig:
     q_rows: int | None = None
     dq_warps: int | None = None
     heavy_first: bool = True
-    tile_loop: bool = False
-    early_loads: bool = False
-    fuse_delta: bool = False
-    persistent: int | None = None
-    maxnreg: int | None = None
-    streams: bool = False
 
     def __post_init__(self) -> None:
-        if self.persistent is not None and self.persistent < 1:
-            raise ValueError(f"KernelConfig.persistent={self.persistent}; expected None or >= 1 programs per SM")
-        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
-            raise ValueError(f"KernelConfig.maxnreg={self.maxnreg}; expected None or 24..255 registers")
         for name in ("col_step", "col_block"):
             if getattr(self, name) not in (64, 128, 256):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)}; expected 64, 128 or 256")
@@ -329,31 +311,23 @@ DEFAULT_CONFIG = KernelConfig()
 
 
 @triton.jit
-def _fwd_program(
-    p, Q, K, V, Out, Lse, QPos, KPos,
+def _vs_fwd_kernel(
+    Q, K, V, Out, Lse, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
-    qk_scale, Sq, Sk, H, GROUP, J, BH,
+    qk_scale, Sq, Sk, H, GROUP, J,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK_J: tl.constexpr,
-    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr, TILE_LOOP: tl.constexpr, EARLY: tl.constexpr,
+    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    """Forward of one program (a ROWS-row slice of a query tile of one batch and head)."""
-    pid_m, pid_bh, offs_m = _query_program(p, BH, Sq, ROWS, BLOCK_M, HEAVY_FIRST)
+    pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)  # B*H*S*D may pass 2**31
     offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
-    bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
-    if EARLY:  # the list scalars first: they bound the loops, and their loads then overlap the load of Q
-        cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
-        nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
-        if HAS_COLS:
-            col_end = _col_chunk_end(bits_base, J, BLOCK_J)
     q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
     q_pos = tl.load(QPos + offs_m, mask=offs_m < Sq, other=POS_MIN)
     k_base = K + b64 * skb + hk64 * skh
@@ -362,31 +336,24 @@ def _fwd_program(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
 
-    if not EARLY:
-        cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
-        nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
+    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
+    cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
+    nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
     R: tl.constexpr = BLOCK_N // SUB_N  # each key tile is walked SUB_N keys at a time, in one flat loop
-    if TILE_LOOP:  # one loop, every step masked: one pipeline fill instead of two
-        for i in range(0, cnt * R):
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, True)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
-    else:
-        for i in range(0, nmask * R):  # tiles that need the token mask
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, True)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
-        for i in range(nmask * R, cnt * R):  # tiles fully visible to every query of the tile
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, False)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, False)
+    for i in range(0, nmask * R):  # tiles that need the token mask
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 True)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+    for i in range(nmask * R, cnt * R):  # tiles fully visible to every query of the tile
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 False)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih
+        bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
         NW: tl.constexpr = BLOCK_C // CHUNK  # bit words (64-slot chunks) per step
-        if not EARLY:
-            col_end = _col_chunk_end(bits_base, J, BLOCK_J)
-        for j in range(0, tl.cdiv(col_end, NW)):  # no branch on bits: loads pipeline
+        for j in range(0, tl.cdiv(_col_chunk_end(bits_base, J, BLOCK_J), NW)):  # no branch on bits: loads pipeline
             k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
                                        BLOCK_C)
             allowed = k_pos[None, :] <= q_pos[:, None]
@@ -415,37 +382,6 @@ def _fwd_program(
 
 
 @triton.jit
-def _vs_fwd_kernel(
-    Q, K, V, Out, Lse, QPos, KPos,
-    FIdx, FCnt, FNm, ColIdx, ColBits,
-    qk_scale, Sq, Sk, H, GROUP, J, BH, N_PROG,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
-    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK_J: tl.constexpr,
-    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr, TILE_LOOP: tl.constexpr, EARLY: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    """One program per query-row slice (N_PROG in all), or with PERSISTENT a fixed grid that strides over them."""
-    if PERSISTENT:
-        for p in range(tl.program_id(0), N_PROG, tl.num_programs(0)):
-            _fwd_program(
-                p, Q, K, V, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, ColIdx, ColBits, qk_scale, Sq, Sk, H, GROUP, J, BH,
-                sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
-                sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
-                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_C, SUB_N, HAS_COLS, HAS_PREV, BLOCK_J, ROWS, HEAVY_FIRST, TILE_LOOP,
-                EARLY)
-    else:
-        _fwd_program(
-            tl.program_id(0), Q, K, V, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, ColIdx, ColBits, qk_scale, Sq, Sk, H,
-            GROUP, J, BH,
-            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
-            sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_C, SUB_N, HAS_COLS, HAS_PREV, BLOCK_J, ROWS, HEAVY_FIRST, TILE_LOOP,
-            EARLY)
-
-
-@triton.jit
 def _bwd_preprocess_kernel(
     Out, DO, Lse, Delta, Lse2, Sq, H,
     sob, soh, sos, sdb, sdh, sds, slb, slh, sls,
@@ -467,19 +403,17 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dq_program(
-    p, Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
-    FIdx, FCnt, FNm, ColIdx, ColBits, Out, Lse,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, J, BH,
+def _vs_bwd_dq_kernel(
+    Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
+    FIdx, FCnt, FNm, ColIdx, ColBits,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, J,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
-    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm, sob, soh, sos, slb, slh, sls,
+    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr, ROWS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, TILE_LOOP: tl.constexpr, EARLY: tl.constexpr, FUSE_DELTA: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
-    """dq of one program. With FUSE_DELTA it also computes delta = rowsum(dout * out) and lse2 = lse * log2(e) of its
-    rows from Out / Lse and stores them to Delta / Lse2 for the dk/dv kernels (no preprocess kernel)."""
-    pid_m, pid_bh, offs_m = _query_program(p, BH, Sq, ROWS, BLOCK_M, HEAVY_FIRST)
+    pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -487,94 +421,40 @@ def _dq_program(
     offs_n = tl.arange(0, SUB_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
-    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
-    bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
-    if EARLY:  # the list scalars first (see the forward)
-        cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
-        nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
-        if HAS_COLS:
-            col_end = _col_chunk_end(bits_base, J, BLOCK_J)
     q = _load_rows(Q + b64 * sqb + h64 * sqh, offs_m, sqs, offs_d, Sq)
     do = _load_rows(DO + b64 * sdb + h64 * sdh, offs_m, sds, offs_d, Sq)
     # Lse2 / Delta are contiguous [B, H, Sq] float32; past-the-end rows: lse2 = +inf makes p = 0
-    if FUSE_DELTA:
-        o = _load_rows(Out + b64 * sob + h64 * soh, offs_m, sos, offs_d, Sq).to(tl.float32)
-        delta = tl.sum(o * do.to(tl.float32), 1)
-        lse = tl.load(Lse + b * slb + h * slh + offs_m * sls, mask=row_ok, other=0.0).to(tl.float32)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-        tl.store(Delta + pid_bh * Sq + offs_m, delta, mask=row_ok)
-        tl.store(Lse2 + pid_bh * Sq + offs_m, lse2, mask=row_ok)
-        lse2 = tl.where(row_ok, lse2, float("inf"))
-    else:
-        lse2 = tl.load(Lse2 + pid_bh * Sq + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(Delta + pid_bh * Sq + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.load(Lse2 + pid_bh * Sq + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + pid_bh * Sq + offs_m, mask=row_ok, other=0.0)
     q_pos = tl.load(QPos + offs_m, mask=row_ok, other=POS_MIN)
     k_base = K + b64 * skb + hk64 * skh
     v_base = V + b64 * svb + hk64 * svh
     dq = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
 
-    if not EARLY:
-        cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
-        nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
+    f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
+    cnt = tl.load(FCnt + b * scb + h * sch + pid_m * scm)
+    nmask = tl.load(FNm + b * snb + h * snh + pid_m * snm)
     R: tl.constexpr = BLOCK_N // SUB_N  # as in the forward: SUB_N keys per step, one flat loop
-    if TILE_LOOP:
-        for i in range(0, cnt * R):
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, True)
-            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
-    else:
-        for i in range(0, nmask * R):
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, True)
-            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
-        for i in range(nmask * R, cnt * R):
-            k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N,
-                                     SUB_N, False)
-            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, False)
+    for i in range(0, nmask * R):
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 True)
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+    for i in range(nmask * R, cnt * R):
+        k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
+                                 False)
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, False)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih
+        bits_base = ColBits + b * sbb + h * sbh + pid_m * sbm
         NW: tl.constexpr = BLOCK_C // CHUNK
-        if not EARLY:
-            col_end = _col_chunk_end(bits_base, J, BLOCK_J)
-        for j in range(0, tl.cdiv(col_end, NW)):
+        for j in range(0, tl.cdiv(_col_chunk_end(bits_base, J, BLOCK_J), NW)):
             k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
                                        BLOCK_C)
             allowed = k_pos[None, :] <= q_pos[:, None]
             dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
     dq_ptrs = DQ + pid_bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _vs_bwd_dq_kernel(
-    Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
-    FIdx, FCnt, FNm, ColIdx, ColBits, Out, Lse,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, J, BH, N_PROG,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
-    sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm, sob, soh, sos, slb, slh, sls,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr, ROWS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, TILE_LOOP: tl.constexpr, EARLY: tl.constexpr, FUSE_DELTA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    if PERSISTENT:
-        for p in range(tl.program_id(0), N_PROG, tl.num_programs(0)):
-            _dq_program(
-                p, Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos, FIdx, FCnt, FNm, ColIdx, ColBits, Out, Lse,
-                qk_scale, sm_scale, Sq, Sk, H, GROUP, J, BH,
-                sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
-                sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm, sob, soh, sos, slb, slh, sls,
-                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_C, SUB_N, HAS_COLS, BLOCK_J, ROWS, HEAVY_FIRST, TILE_LOOP, EARLY,
-                FUSE_DELTA)
-    else:
-        _dq_program(
-            tl.program_id(0), Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos, FIdx, FCnt, FNm, ColIdx, ColBits, Out, Lse,
-            qk_scale, sm_scale, Sq, Sk, H, GROUP, J, BH,
-            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
-            sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm, sob, soh, sos, slb, slh, sls,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_C, SUB_N, HAS_COLS, BLOCK_J, ROWS, HEAVY_FIRST, TILE_LOOP, EARLY,
-            FUSE_DELTA)
 
 
 @triton.jit
@@ -585,7 +465,6 @@ def _vs_bwd_dkdv_kernel(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
-    TILE_LOOP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
@@ -609,21 +488,15 @@ def _vs_bwd_dkdv_kernel(
         f_base = BIdx + b * sfb + h * sfh + pid_n * sfm
         cnt = tl.load(BCnt + b * scb + h * sch + pid_n * scm)
         nmask = tl.load(BNm + b * snb + h * snh + pid_n * snm)
-        if TILE_LOOP:  # one loop per head, every step masked
-            for i in range(0, cnt * R):
-                row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
-                dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta,
-                                        QPos, row_base, offs_d, sqs, sds, Sq, qk_scale, True, False)
-        else:
-            for i in range(0, nmask * R):
-                row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
-                dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta,
-                                        QPos, row_base, offs_d, sqs, sds, Sq, qk_scale, True, False)
-            for i in range(nmask * R, cnt * R):
-                # a ragged last query tile may be "unmasked": its missing rows have p = 0 (see _load_q_side)
-                row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
-                dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta,
-                                        QPos, row_base, offs_d, sqs, sds, Sq, qk_scale, False, False)
+        for i in range(0, nmask * R):
+            row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
+            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, True, False)
+        for i in range(nmask * R, cnt * R):
+            # a ragged last query tile may be "unmasked": its missing rows have p = 0 (see _load_q_side)
+            row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
+            dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, False, False)
     out_off = pid_bk.to(tl.int64) * Sk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < Sk)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < Sk)
@@ -745,28 +618,9 @@ def _col_args(tiles: TileLists, dummy: torch.Tensor):
     return (ci, cb), [*_bstrides(ci, 2), *_bstrides(cb)], cb.shape[-1]
 
 
-def _query_grid(bh: int, sq: int, bm: int, rows: int, cfg: KernelConfig, device: torch.device):
-    """(grid, programs, launch options) of the forward / dq kernels: (query tiles * bm / rows) * (batch * heads)
-    programs (see ``_query_program``), or with ``cfg.persistent`` a grid of that many programs per SM striding
-    over them."""
-    n = triton.cdiv(sq, bm) * (bm // rows) * bh
-    grid = n
-    if cfg.persistent:  # off CUDA (the interpreter) as if on one SM, so the striding is exercised
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        grid = min(n, cfg.persistent * sms)
-    opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
-    return (max(grid, 1),), n, opts
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream of ``KernelConfig.streams`` on this device (one per device, reused)."""
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _query_grid(bh: int, sq: int, bm: int, rows: int) -> tuple[int]:
+    """1-D grid of the forward / dq kernels: (query tiles * bm / rows) * (batch * heads); see ``_query_program``."""
+    return (triton.cdiv(sq, bm) * (bm // rows) * bh,)
 
 
 def _col_split(programs: int, mq: int, device: torch.device) -> int:
@@ -812,16 +666,14 @@ def block_forward(
     (ci, cb), cstr, J = _col_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
     sub_n = min(BN, cfg.sub_n)
-    grid, n_prog, opts = _query_grid(B * H, Sq, BM, rows, cfg, q.device)
-    _vs_fwd_kernel[grid](
+    _vs_fwd_kernel[_query_grid(B * H, Sq, BM, rows)](
         q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb,
-        scale * LOG2E, Sq, Sk, H, H // Hkv, J, B * H, n_prog,
+        scale * LOG2E, Sq, Sk, H, H // Hkv, J,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
         *fstr, *cstr,
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
         HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-        TILE_LOOP=cfg.tile_loop, EARLY=cfg.early_loads, PERSISTENT=grid[0] < n_prog,
-        num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages, **opts,
+        num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages,
     )
     return out, lse
 
@@ -865,11 +717,10 @@ def block_backward(
     gdt = grad_dtype or torch.float32
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    if not cfg.fuse_delta:
-        _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
-            out, dout, lse, delta, lse2, Sq, H, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
-            HEAD_DIM=D, BLOCK=64,
-        )
+    _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
+        out, dout, lse, delta, lse2, Sq, H, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
+        HEAD_DIM=D, BLOCK=64,
+    )
     BM, BN = tiles.block_m, tiles.block_n
     has_cols = tiles.col_idx is not None
     dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
@@ -880,63 +731,44 @@ def block_backward(
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
-
-    def launch_dq():
-        grid, n_prog, opts = _query_grid(B * H, Sq, BM, rows, cfg, q.device)
-        _vs_bwd_dq_kernel[grid](
-            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, out, lse,
-            scale * LOG2E, scale, Sq, Sk, H, G, J, B * H, n_prog, *strides, *fstr, *cstr,
-            *out.stride()[:3], *lse.stride(),
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-            BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-            TILE_LOOP=cfg.tile_loop, EARLY=cfg.early_loads, FUSE_DELTA=cfg.fuse_delta, PERSISTENT=grid[0] < n_prog,
-            num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages, **opts,
+    _vs_bwd_dq_kernel[_query_grid(B * H, Sq, BM, rows)](
+        q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
+        scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+        BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+        num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
+    )
+    (bi, bc, bn), bstr = _list_args(tiles, "bwd")
+    _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
+        q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
+        scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
+        num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
+    )
+    if J > 0:
+        NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
+        P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+        col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
+        dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
+        dvc = torch.empty_like(dkc)
+        _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
+            q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
+            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+            num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
         )
-
-    def launch_dkdv():
-        (bi, bc, bn), bstr = _list_args(tiles, "bwd")
-        _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
-            q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
-            scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m, TILE_LOOP=cfg.tile_loop,
-            num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
-        )
-        if J > 0:
-            NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
-            P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
-            col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
-            dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
-            dvc = torch.empty_like(dkc)
-            _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
-                q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
-                scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
-                HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
-                num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
-            )
-            if P > 1:  # fixed summation order over the parts: deterministic
-                dkc, dvc = dkc.sum(0), dvc.sum(0)
-            else:
-                dkc, dvc = dkc[0], dvc[0]
-            # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
-            cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
-            base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
-            dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
-            for g in range(G):
-                dst = (base + cols[:, :, g]).reshape(-1)
-                dk2.index_add_(0, dst, dkc[g].view(-1, D))
-                dv2.index_add_(0, dst, dvc[g].view(-1, D))
-
-    side = _side_stream(q.device) if cfg.streams and q.is_cuda and not cfg.fuse_delta else None
-    if side is None:
-        launch_dq()
-        launch_dkdv()
-    else:  # dk/dv (tiles, then columns) on a second stream, concurrent with dq: the kernels fill each other's tails
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            launch_dkdv()
-        launch_dq()
-        main.wait_stream(side)
+        if P > 1:  # fixed summation order over the parts: deterministic
+            dkc, dvc = dkc.sum(0), dvc.sum(0)
+        else:
+            dkc, dvc = dkc[0], dvc[0]
+        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
+        cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
+        base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
+        dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
+        for g in range(G):
+            rows = (base + cols[:, :, g]).reshape(-1)
+            dk2.index_add_(0, rows, dkc[g].view(-1, D))
+            dv2.index_add_(0, rows, dvc[g].view(-1, D))
     return dq, dk.to(gdt), dv.to(gdt)
 
 

@@ -35,15 +35,10 @@ def test_bf16_matches_fp32_reference(S, D, block):
     _check_bf16(S, D, block)
 
 
-@pytest.mark.parametrize("config", [
-    "q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64", "q_rows=32,sub_n=64,heavy_first=0",
-    "tile_loop=1,early_loads=1,fuse_delta=1", "persistent=1,tile_loop=1,fuse_delta=1",
-    "q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64,persistent=2,maxnreg=168", "streams=1,tile_loop=1",
-])
+@pytest.mark.parametrize("config", ["q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64", "q_rows=32,sub_n=64,heavy_first=0"])
 def test_bf16_launch_settings_match_fp32_reference(config):
     # the other launch settings (query tiles split over several programs, 4-warp programs, the other launch
-    # order, one masked tile loop, delta inside the dq kernel, persistent grids, a register cap) compute the same
-    # pairs: same rule, ragged length
+    # order) compute the same pairs: same rule, ragged length
     from mtraining_kernels.vertical_slash import KernelConfig
 
     kw = {key: int(val) for key, _, val in (item.partition("=") for item in config.split(","))}

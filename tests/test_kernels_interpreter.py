@@ -290,14 +290,6 @@ def _run_checks() -> dict[str, str]:
         # in both launch orders
         check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(q_rows=16, heavy_first=False))
         check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16, config=KernelConfig(q_rows=16, dq_warps=2))
-        # one masked tile loop per program (forward, dq, dk/dv), list scalars loaded first, delta computed inside
-        # the dq kernel, and persistent programs (off CUDA: `persistent` programs in all, each striding over
-        # several query slices, the last stride partial)
-        check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16,
-                      config=KernelConfig(tile_loop=True, early_loads=True, fuse_delta=True, sub_m=16))
-        check_pattern(B, H, Hkv, S, D, 32, vi, si, config=KernelConfig(persistent=3, fuse_delta=True))
-        check_pattern(B, H, Hkv, S, D, 64, vi, si, TN=16,
-                      config=KernelConfig(persistent=5, q_rows=16, tile_loop=True, early_loads=True))
         # many columns (3 chunks of 64 slots: odd) taken 64, 128 and 256 slots at a time in every kernel;
         # the second head has fewer columns (a chunk of pure padding) and no slash
         vi2 = torch.randint(0, 300, (1, 2, 280))
