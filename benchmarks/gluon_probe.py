@@ -16,46 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 import triton
-
-
-def _install_offline_target() -> None:
-    """Let the JIT compile for sm_90 on a machine without a GPU (``warmup`` only; nothing is launched)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver as _  # noqa: F401 - make sure the module is loaded
-
-    class _Offline:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-    sys.modules["triton.runtime.driver"].driver.set_active(_Offline())
-
-
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
@@ -140,7 +113,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     if args.compile_only:
-        _install_offline_target()
+        from mtraining_kernels.gluon_hopper import install_offline_sm90_target
+
+        install_offline_sm90_target()
         A = torch.empty(1024, 1024, dtype=torch.bfloat16)
         for BM, BN, BK, st, w in CONFIGS:
             k = ws_matmul(A, A, BM, BN, BK, st, w, warmup_only=True)

@@ -236,13 +236,16 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
 
 
 def _config(spec: str):
-    """'key=value,...' -> KernelConfig, e.g. 'bwd_warps=4,bwd_stages=1,sub_n=64'."""
+    """'key=value,...' -> KernelConfig, e.g. 'bwd_warps=4,bwd_stages=1,sub_n=64' or 'forward=auto'."""
     from mtraining_kernels.vertical_slash import KernelConfig
 
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        kw[key] = bool(int(val)) if key == "heavy_first" else int(val)
+        if key in ("forward", "dq"):
+            kw[key] = val
+        else:
+            kw[key] = bool(int(val)) if key == "heavy_first" else int(val)
     return KernelConfig(**kw)
 
 

@@ -273,6 +273,12 @@ class KernelConfig:
         dq_warps: warps per dq program (None: ``bwd_warps``).
         heavy_first: launch the forward / dq programs of the last query tiles first (they see the most keys
             under causality), all heads at once, so the short programs run last.
+        forward: which forward kernel: "triton" (this module's), "gluon" (the warp-specialised Hopper kernel of
+            :mod:`mtraining_kernels.gluon_hopper`; an error where it cannot run), or "auto" (the default: gluon
+            where it can run, i.e. sm_90, bf16/fp16, head dim 64/128, 128 x 128 tiles; triton elsewhere, so CPU,
+            the interpreter and other GPUs are unchanged). Kernel run 7 in ``benchmarks/RESULTS.md``.
+        dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
+            Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`). dk/dv stay Triton.
     """
 
     fwd_warps: int | None = None
@@ -288,8 +294,13 @@ class KernelConfig:
     q_rows: int | None = None
     dq_warps: int | None = None
     heavy_first: bool = True
+    forward: str = "auto"
+    dq: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("forward", "dq"):
+            if getattr(self, name) not in ("triton", "gluon", "auto"):
+                raise ValueError(f"KernelConfig.{name}={getattr(self, name)!r}; expected 'triton', 'gluon' or 'auto'")
         for name in ("col_step", "col_block"):
             if getattr(self, name) not in (64, 128, 256):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)}; expected 64, 128 or 256")
@@ -629,6 +640,24 @@ def _col_split(programs: int, mq: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(8 * sms, max(programs, 1)), mq // 16))
 
 
+def _use_gluon(choice: str, which: str, q: torch.Tensor, tiles: TileLists, extra_ok: bool) -> bool:
+    """Whether KernelConfig.<which> = ``choice`` runs the Gluon kernel here; 'gluon' where it cannot: an error."""
+    if choice == "triton":
+        return False
+    from mtraining_kernels.gluon_hopper import gluon_supported
+
+    if gluon_supported(q, tiles) and extra_ok:
+        return True
+    if choice == "gluon":
+        raise ValueError(
+            f"KernelConfig({which}='gluon') cannot run here: device {q.device}, dtype {q.dtype}, head dim "
+            f"{q.shape[-1]}, tiles {tiles.block_m} x {tiles.block_n}"
+            + ("" if extra_ok else ", running (out, lse) not contiguous / float32")
+            + f". It needs an sm_90 GPU, bf16/fp16, head dim 64/128 and 128 x 128 tiles; use {which}='auto' to fall "
+            "back to the Triton kernel.")
+    return False
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -655,10 +684,14 @@ def block_forward(
     has_prev = out is not None
     if has_prev != (lse is not None):
         raise ValueError("give both out and lse (a running result) or neither")
-    if has_prev:
-        if out.shape != q.shape or lse.shape != (B, H, Sq) or out.stride(-1) != 1:
-            raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
-    else:
+    if has_prev and (out.shape != q.shape or lse.shape != (B, H, Sq) or out.stride(-1) != 1):
+        raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
+    prev_ok = not has_prev or (out.is_contiguous() and lse.dtype == torch.float32)
+    if _use_gluon(cfg.forward, "forward", q, tiles, prev_ok):
+        from mtraining_kernels.gluon_hopper import gluon_block_forward
+
+        return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse)
+    if not has_prev:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     BM, BN = tiles.block_m, tiles.block_n
@@ -715,6 +748,7 @@ def block_backward(
         raise ValueError(f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)} do not match q "
                          f"{tuple(q.shape)}")
     gdt = grad_dtype or torch.float32
+    gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True)  # (an error for dq='gluon' here, before any launch)
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
@@ -723,7 +757,6 @@ def block_backward(
     )
     BM, BN = tiles.block_m, tiles.block_n
     has_cols = tiles.col_idx is not None
-    dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
     dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
     dv = torch.empty_like(dk)
     sub_m, sub_n = min(BM, cfg.sub_m), min(BN, cfg.sub_n)
@@ -731,13 +764,19 @@ def block_backward(
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
     (ci, cb), cstr, J = _col_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
-    _vs_bwd_dq_kernel[_query_grid(B * H, Sq, BM, rows)](
-        q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
-        scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-        BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-        num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
-    )
+    if gluon_dq:
+        from mtraining_kernels.gluon_hopper import gluon_block_dq
+
+        dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt)
+    else:
+        dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
+        _vs_bwd_dq_kernel[_query_grid(B * H, Sq, BM, rows)](
+            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
+            scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+            BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+            num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
+        )
     (bi, bc, bn), bstr = _list_args(tiles, "bwd")
     _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
         q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,

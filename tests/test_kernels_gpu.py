@@ -35,14 +35,87 @@ def test_bf16_matches_fp32_reference(S, D, block):
     _check_bf16(S, D, block)
 
 
-@pytest.mark.parametrize("config", ["q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64", "q_rows=32,sub_n=64,heavy_first=0"])
-def test_bf16_launch_settings_match_fp32_reference(config):
-    # the other launch settings (query tiles split over several programs, 4-warp programs, the other launch
-    # order) compute the same pairs: same rule, ragged length
+def _config(spec):
     from mtraining_kernels.vertical_slash import KernelConfig
 
-    kw = {key: int(val) for key, _, val in (item.partition("=") for item in config.split(","))}
-    _check_bf16(8191, 128, 128, KernelConfig(**kw))
+    items = (i.partition("=") for i in spec.split(","))
+    kw = {key: val if key in ("forward", "dq") else int(val) for key, _, val in items}
+    return KernelConfig(**kw)
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for sm_90 (Hopper) only")
+
+
+@pytest.mark.parametrize("config", ["forward=triton,dq=triton",
+                                    "q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64,forward=triton,dq=triton",
+                                    "q_rows=32,sub_n=64,heavy_first=0,forward=triton,dq=triton"])
+def test_bf16_launch_settings_match_fp32_reference(config):
+    # the Triton kernels at 128 x 128 tiles (where 'auto' would pick Gluon) and their other launch settings (query
+    # tiles split over several programs, 4-warp programs, the other launch order): same pairs, same rule, ragged
+    _check_bf16(8191, 128, 128, _config(config))
+
+
+@pytest.mark.parametrize("S,D,spec", [(8191, 128, "forward=gluon"), (32767, 128, "forward=gluon,dq=gluon"),
+                                      (8191, 64, "forward=gluon,dq=gluon"), (8191, 128, "dq=gluon")])
+def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
+    # the warp-specialised Gluon forward and dq (the other kernels Triton's): same rule, ragged lengths
+    _needs_sm90()
+    _check_bf16(S, D, 128, _config(spec))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ["pattern", "shifted dense"])
+def test_gluon_forward_merges_a_running_result(D, case):
+    # ring use: merge into a running (out, lse) in place. "shifted dense": keys 700 positions later than the queries
+    # (dense causal lists by position), so the first 700 query rows have no pair in this block and must keep the
+    # running result bit for bit. The rest: the flash-attention rule against a float32 reference of the merged
+    # result, with the Triton forward as "the same computation" (the two round P to bf16 under different running
+    # maxima, so they differ at bf16 level, not float32 level); lse from float32 scores of exact bf16 products
+    # summed in float32: 1e-3 absolute leaves a wide margin over the ~1e-5 seen
+    _needs_sm90()
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+    from mtraining_kernels.reference import attention_ref, tile_lists_mask
+    from mtraining_kernels.vertical_slash import KernelConfig, block_forward
+
+    torch.manual_seed(2)
+    B, H, Hkv, S = 2, 8, 2, 5000
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+    q_pos = torch.arange(S, device="cuda")
+    if case == "pattern":
+        vi, si = _pattern(B, Hkv, S, 200, [0, 1, 130, 2500], seed=4)
+        tiles, k_pos = pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128), q_pos
+    else:
+        tiles, k_pos = None, q_pos + 700
+    prev_out = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    prev_lse = torch.randn(B, H, S, device="cuda")
+    results = []
+    for fwd in ("triton", "gluon"):
+        out, lse = prev_out.clone(), prev_lse.clone()
+        block_forward(q, k, v, q_pos, k_pos, D**-0.5, tiles=tiles, out=out, lse=lse, block_m=128, block_n=128,
+                      config=KernelConfig(forward=fwd))
+        results.append((out, lse))
+    (o_t, l_t), (o_g, l_g) = results
+    assert not torch.equal(o_g, prev_out), "the running result was not updated in place"
+    if case != "pattern":
+        assert torch.equal(o_g[:, :, :700], prev_out[:, :, :700]) and torch.equal(l_g[:, :, :700], prev_lse[:, :, :700])
+    if tiles is None:
+        from mtraining_kernels.indexing import dense_tile_lists
+
+        tiles = dense_tile_lists(q_pos, k_pos, 128, 128)
+    mask = tile_lists_mask(tiles, q_pos, k_pos)
+    for b in range(B):  # the float32 reference, one batch row at a time (memory)
+        m_b = mask[b:b + 1] if mask.shape[0] > 1 else mask
+        o_b, l_b = attention_ref(q[b:b + 1].float(), k[b:b + 1].float(), v[b:b + 1].float(), m_b, D**-0.5)
+        mx = torch.maximum(prev_lse[b:b + 1], l_b)
+        w_p, w_n = torch.exp(prev_lse[b:b + 1] - mx), torch.exp(l_b - mx)
+        o_ref = (prev_out[b:b + 1].float() * w_p[..., None] + o_b * w_n[..., None]) / (w_p + w_n)[..., None]
+        l_ref = mx + torch.log(w_p + w_n)
+        e_g = (o_g[b:b + 1].float() - o_ref).abs().max().item()
+        e_t = (o_t[b:b + 1].float() - o_ref).abs().max().item()
+        assert e_g <= 2 * e_t + 1e-3, f"batch {b}: gluon error {e_g:.3e} > 2 x triton error {e_t:.3e}"
+        assert (l_g[b:b + 1] - l_ref).abs().max().item() <= 1e-3
 
 
 def _check_bf16(S, D, block, config=None):

@@ -33,6 +33,7 @@ CHECKS = [
     "triton_block_op_matches_torch_block_op",
     "rectangular_tiles_and_dkdv_subtiles",
     "triton_list_builder_matches_torch",
+    "gluon_auto_falls_back_to_triton",
 ]
 
 
@@ -324,6 +325,20 @@ def _run_checks() -> dict[str, str]:
             valid = torch.arange(a.bwd_idx.shape[-1]) < a.bwd_cnt[..., None]  # padding beyond the count: unused
             assert a.bwd_idx.shape == b.bwd_idx.shape, where
             assert torch.equal(a.bwd_idx[valid], b.bwd_idx[valid]), f"{where}: bwd_idx differs"
+
+    def gluon_auto_falls_back_to_triton():
+        # KernelConfig(forward/dq='auto') off Hopper (here: CPU): the Triton kernels, bit for bit the default's
+        q, k, v, dout = torch.randn(1, 2, 200, 16), torch.randn(1, 1, 200, 16), torch.randn(1, 1, 200, 16), \
+            torch.randn(1, 2, 200, 16)
+        pos = torch.arange(200)
+        kw = dict(block_m=128, block_n=128)
+        auto = KernelConfig(forward="auto", dq="auto")
+        out, lse = block_forward(q, k, v, pos, pos, 0.25, config=auto, **kw)
+        ref_out, ref_lse = block_forward(q, k, v, pos, pos, 0.25, **kw)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        got = block_backward(q, k, v, out, lse, dout, pos, pos, 0.25, config=auto, **kw)
+        want = block_backward(q, k, v, out, lse, dout, pos, pos, 0.25, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
     results = {}
     only = os.environ.get("MT_CHECKS")  # comma-separated subset, for a quick local run

@@ -1,0 +1,711 @@
+"""An FA3-style forward of the vertical-slash kernel in Gluon (Triton 3.6), Hopper (sm_90) only.
+
+Why: the Triton forward runs each step's two matmuls and its softmax one after the other in every warp (ncu:
+tensor pipe 46% busy at 128K/20%, 25% at 32K/2%; ``benchmarks/RESULTS.md`` kernel run 6), and each program's
+load-Q / first-tile / store chain is serial with the next program's on the SM. This kernel is scheduled by hand:
+
+- one program per SM (persistent), walking the (query tile, batch * head) work items heaviest first;
+- a producer partition (the default warpgroup, 24 registers per thread) issues TMA loads of the next work items'
+  Q (two buffers), of the key tiles of ``tiles.fwd_idx`` and then of the query tile's gathered-column chunks
+  (K and V rings of ``STAGES`` buffers, one mbarrier per buffer and direction), so loads run ahead of the math
+  across work items; for every masked step it also writes the step's key positions into shared memory (a
+  gathered column the query tile did not select gets a position no query sees), so the consumers mask by one
+  compare;
+- two consumer partitions (warpgroups, 240 registers per thread), each owning 64 of the 128 query rows, share
+  the K/V buffers; within a consumer, the QK^T of step j is issued before step j-1's PV has finished
+  (``warpgroup_mma`` is asynchronous): the softmax of step j runs while the tensor cores do PV of step j-1.
+
+Computed pairs: exactly those of :func:`mtraining_kernels.vertical_slash.block_forward`: the key tiles of the
+lists, with the token mask ``k_pos <= q_pos`` on the first ``fwd_nmask`` tiles, then the gathered columns whose
+bit is set for the query tile (``tiles.col_bits``) and with ``k_pos <= q_pos``. The columns are first copied into
+dense per-head rows (:func:`gather_columns`) so that TMA can load them like key tiles. Outputs out (q.dtype) and
+natural-log lse (float32); rows with no computed pair get out 0 and lse -inf; a running ``(out, lse)`` is merged
+into by log-sum-exp, in place.
+
+Constraints: CUDA sm_90, bf16/fp16, q/k/v contiguous ``[B, H(kv), S, D]`` (copied otherwise), D in {64, 128},
+128 x 128 tiles. Key rows past Sk of a ragged last tile are read from the next head's rows (or TMA zero fill at
+the very end) and masked by position (such tiles are in the masked part of the lists).
+Chosen by ``KernelConfig(forward="auto" | "gluon")``; resources: :func:`compile_report` (works offline, after
+:func:`install_offline_sm90_target`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mtraining_kernels.indexing import TileLists, dense_tile_lists
+
+try:  # Gluon is in Triton >= 3.4
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    HAS_GLUON = False
+
+__all__ = ["HAS_GLUON", "compile_report", "gather_columns", "gluon_block_forward", "gluon_supported",
+           "install_offline_sm90_target"]
+
+LOG2E = 1.4426950408889634
+ROWS = 64  # query rows per consumer warpgroup
+NUM_WARPS_DEFAULT = 4  # the default partition is the producer (a warpgroup: Gluon needs multiples of 4 warps)
+POS_MAX = gl.constexpr(2**31 - 1) if HAS_GLUON else None  # a key past the end: never visible
+POS_MIN = gl.constexpr(-(2**31)) if HAS_GLUON else None  # a query past the end: sees nothing
+POS_MAX_INT = 2**31 - 1
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _work_item(w, BH, n_q):
+        """(query tile, batch * head) of work item w: batch * head fastest, the last query tiles first."""
+        return n_q - 1 - w // BH, w % BH
+
+    @gluon.jit
+    def _producer(q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs,
+                  q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS, KPos, CPos, ColBits,
+                  Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_COLS: gl.constexpr,
+                  QBUF: gl.constexpr, WITH_DO: gl.constexpr):
+        """TMA loads of Q (and dO: ``WITH_DO``, the dq kernel) into ``QBUF`` buffers and of each step's K/V; for a
+        masked step, the keys' positions with unselected gathered columns replaced by a never-visible position (so
+        a consumer's mask is one compare), in shared memory."""
+        pos_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        offs_n = gl.arange(0, BLOCK_N, layout=pos_layout)
+        BH = total // n_q
+        it = 0  # global K/V step counter (ring position), as in the consumers
+        t = 0  # work items done by this program
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            pid_m, pid_bh = _work_item(w, BH, n_q)
+            b = pid_bh // H
+            h = pid_bh % H
+            qb = t % QBUF
+            mbarrier.wait(q_empty.index(qb), ((t // QBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+            row_q = pid_bh * Sq + pid_m * BLOCK_M
+            if WITH_DO:
+                mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row_q, 0], q_ready.index(qb), do_bufs.index(2 * qb))
+                tma.async_copy_global_to_shared(do_desc, [row_q + BLOCK_M // 2, 0], q_ready.index(qb),
+                                                do_bufs.index(2 * qb + 1))
+            else:
+                mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row_q, 0], q_ready.index(qb), q_bufs.index(2 * qb))
+            tma.async_copy_global_to_shared(q_desc, [row_q + BLOCK_M // 2, 0], q_ready.index(qb),
+                                            q_bufs.index(2 * qb + 1))
+            row_k = (b * (H // GROUP) + h // GROUP) * Sk
+            row_c = pid_bh * NCp
+            f_base = FIdx + b * sfb + h * sfh + pid_m * sfm
+            bits_row = ColBits + b * sbb + h * sbh + pid_m * sbm
+            cnt = gl.load(FCnt + b * scb + h * sch + pid_m * scm)
+            nmask = gl.load(FNm + b * snb + h * snh + pid_m * snm)
+            n_steps = cnt
+            if HAS_COLS:
+                n_steps = cnt + gl.load(NCS + pid_bh * n_q + pid_m)
+            for j in range(n_steps):
+                st = it % STAGES
+                mbarrier.wait(kv_empty.index(st), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                if j < cnt:  # a key tile of the list
+                    row = row_k + gl.load(f_base + j) * BLOCK_N
+                    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
+                    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
+                else:  # BLOCK_N gathered columns (pre-gathered rows of this head)
+                    row = row_c + (j - cnt) * BLOCK_N
+                    tma.async_copy_global_to_shared(ck_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
+                    tma.async_copy_global_to_shared(cv_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
+                if j < nmask:
+                    o = gl.load(f_base + j) * BLOCK_N + offs_n
+                    kpos_bufs.index(st).store(gl.load(KPos + o, mask=o < Sk, other=POS_MAX))
+                if HAS_COLS:
+                    if j >= cnt:
+                        c = j - cnt
+                        kp = gl.load(CPos + row_c + c * BLOCK_N + offs_n)
+                        wi = c * (BLOCK_N // 64) + offs_n // 64
+                        word = gl.load(bits_row + wi, mask=wi < J, other=0)
+                        sel = ((word >> (offs_n % 64).to(gl.int64)) & 1) != 0
+                        kpos_bufs.index(st).store(gl.where(sel, kp, POS_MAX))
+                mbarrier.arrive(pos_ready.index(st), count=1)  # every step, so the phases count steps
+                it += 1
+            t += 1
+
+    @gluon.jit
+    def _apply_mask(s, kpos_smem, q_pos, s_layout: gl.constexpr):
+        kp = kpos_smem.load(gl.SliceLayout(0, s_layout))
+        return gl.where(gl.expand_dims(kp, 0) <= gl.expand_dims(q_pos, 1), s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale):
+        """Online softmax of one score tile (raw scores; qk_scale = softmax scale * log2 e folded into exp2)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row fully masked so far
+        ms = m_use * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(ms, 1))
+        alpha = gl.exp2(m_i * qk_scale - ms)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Sq, scb, sch, scm, snb, snh, snm,
+                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, row_s: gl.constexpr, HAS_COLS: gl.constexpr):
+        """(cnt, nmask, column steps, query positions) of work item w (zeros past the end)."""
+        ok = w < total
+        pid_m, pid_bh = _work_item(w, total // n_q, n_q)
+        b = pid_bh // H
+        h = pid_bh % H
+        cnt = gl.load(FCnt + b * scb + h * sch + pid_m * scm, mask=ok, other=0)
+        nmask = gl.load(FNm + b * snb + h * snh + pid_m * snm, mask=ok, other=0)
+        ncs = cnt * 0
+        if HAS_COLS:
+            ncs = gl.load(NCS + pid_bh * n_q + pid_m, mask=ok, other=0)
+        offs_m = pid_m * BLOCK_M + HALF * (BLOCK_M // 2) + gl.arange(0, BLOCK_M // 2, layout=row_s)
+        q_pos = gl.load(QPos + offs_m, mask=(offs_m < Sq) & ok, other=POS_MIN)
+        return cnt, nmask, ncs, q_pos
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
+                  Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+                  sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
+                  HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        BH = total // n_q
+        it = 0
+        t = 0
+        w = gl.program_id(0)
+        cnt, nmask, ncs, q_pos = _item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Sq, scb, sch, scm, snb, snh, snm,
+                                            HALF, BLOCK_M, row_s, HAS_COLS)
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            # the next item's lists and positions, loaded while this one runs
+            cnt_n, nmask_n, ncs_n, q_pos_n = _item_meta(w + gl.num_programs(0), total, n_q, H, FCnt, FNm, NCS, QPos,
+                                                        Sq, scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s,
+                                                        HAS_COLS)
+            pid_m, pid_bh = _work_item(w, BH, n_q)
+            b = pid_bh // H
+            h = pid_bh % H
+            row0 = pid_m * BLOCK_M + HALF * (BLOCK_M // 2)
+            n_steps = cnt + ncs
+            qb = t % 2
+            q_smem = q_bufs.index(2 * qb + HALF)
+            mbarrier.wait(q_ready.index(qb), (t // 2) & 1)
+
+            zero_s = gl.zeros([BLOCK_M // 2, BLOCK_N], gl.float32, s_layout)
+            o = gl.zeros([BLOCK_M // 2, HEAD_DIM], gl.float32, o_layout)
+            m_i = gl.full([BLOCK_M // 2], float("-inf"), gl.float32, row_s)
+            l_i = gl.zeros([BLOCK_M // 2], gl.float32, row_s)
+            if n_steps > 0:
+                # step 0: S_0 = Q K_0^T, softmax
+                st = it % STAGES
+                mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
+                s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False)
+                if (nmask > 0) | (cnt == 0):
+                    mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
+                    s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                for j in range(1, n_steps):
+                    prev = st
+                    prev_ph = (it // STAGES) & 1
+                    it += 1
+                    st = it % STAGES
+                    mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
+                    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                    mbarrier.wait(v_ready.index(prev), prev_ph)
+                    p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+                    o_tok = warpgroup_mma(p_op, v_bufs.index(prev), o, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done, PV_{j-1} in flight
+                    if (j < nmask) | (j >= cnt):
+                        mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
+                        s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                    o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                # last PV
+                mbarrier.wait(v_ready.index(st), (it // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+                o = warpgroup_mma(p_op, v_bufs.index(st), o)
+                mbarrier.arrive(kv_empty.index(st), count=1)
+                it += 1
+            mbarrier.arrive(q_empty.index(qb), count=1)
+
+            # epilogue: normalise, lse (natural log), optional merge, store
+            l_o = gl.convert_layout(l_i, row_o)
+            m_o = gl.convert_layout(m_i, row_o)
+            has = l_o > 0.0
+            l_safe = gl.where(has, l_o, 1.0)
+            out = o / gl.expand_dims(l_safe, 1)
+            lse = gl.where(has, (m_o * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            rows = row0 + gl.arange(0, BLOCK_M // 2, layout=row_o)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            row_ok = rows < Sq
+            b64 = b.to(gl.int64)
+            h64 = h.to(gl.int64)
+            o_ptrs = Out + b64 * sob + h64 * soh + gl.expand_dims(rows.to(gl.int64) * sos, 1) + gl.expand_dims(cols, 0)
+            lse_ptrs = Lse + b64 * slb + h64 * slh + rows * sls
+            omask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            if HAS_PREV:
+                lse_p = gl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(gl.float32)
+                o_p = gl.load(o_ptrs, mask=omask, other=0.0).to(gl.float32)
+                mx = gl.maximum(lse_p, lse)
+                mx = gl.where(mx == float("-inf"), 0.0, mx)
+                w_p = gl.exp(lse_p - mx)
+                w_n = gl.exp(lse - mx)
+                wsum = w_p + w_n
+                w_safe = gl.where(wsum > 0.0, wsum, 1.0)
+                out = (o_p * gl.expand_dims(w_p, 1) + out * gl.expand_dims(w_n, 1)) / gl.expand_dims(w_safe, 1)
+                lse = gl.where(wsum > 0.0, mx + gl.log(w_safe), float("-inf"))
+            gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=omask)
+            gl.store(lse_ptrs, lse, mask=row_ok)
+            t += 1
+            cnt, nmask, ncs, q_pos = cnt_n, nmask_n, ncs_n, q_pos_n
+
+    @gluon.jit
+    def _gl_fwd_kernel(q_desc, k_desc, v_desc, ck_desc, cv_desc, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, NCS, CPos,
+                       ColBits, qk_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
+                       sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(pos_ready.index(i), count=1)
+        # (the argument tuples are written out: a tuple built by concatenation loses its constexprs in Gluon 3.6)
+        gl.warp_specialize([
+            (_producer, (q_desc, q_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, q_bufs, k_bufs, v_bufs, kpos_bufs,
+                         q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS, KPos, CPos,
+                         ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm,
+                         sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False))),
+            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
+                         Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+                         sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
+                         gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
+                         Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+                         sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
+                         gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+    @gluon.jit
+    def _dq_item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq, scb, sch, scm, snb, snh, snm,
+                      HALF: gl.constexpr, BLOCK_M: gl.constexpr, row_s: gl.constexpr, HAS_COLS: gl.constexpr):
+        """:func:`_item_meta` plus the rows' base-2 lse (+inf past the end: p = 0) and delta."""
+        cnt, nmask, ncs, q_pos = _item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Sq, scb, sch, scm, snb, snh, snm,
+                                            HALF, BLOCK_M, row_s, HAS_COLS)
+        ok = w < total
+        pid_m, pid_bh = _work_item(w, total // n_q, n_q)
+        offs_m = pid_m * BLOCK_M + HALF * (BLOCK_M // 2) + gl.arange(0, BLOCK_M // 2, layout=row_s)
+        rm = (offs_m < Sq) & ok
+        base = pid_bh.to(gl.int64) * Sq
+        lse2 = gl.load(Lse2 + base + offs_m, mask=rm, other=float("inf"))
+        delta = gl.load(Delta + base + offs_m, mask=rm, other=0.0)
+        return cnt, nmask, ncs, q_pos, lse2, delta
+
+    @gluon.jit
+    def _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, st, ph, masked, q_pos,
+                   lse2_b, delta_b, zero_s, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """dS of one step, synchronously (the first step of a work item): P (dP - delta) as the A operand."""
+        mbarrier.wait(k_ready.index(st), ph)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(st), ph)
+        dp_tok = warpgroup_mma(do_smem, v_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        if masked:
+            mbarrier.wait(pos_ready.index(st), ph)
+            s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+        p = gl.exp2(s * qk_scale - lse2_b)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        return gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
+
+    @gluon.jit
+    def _dq_consumer(q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
+                     kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
+                     scb, sch, scm, snb, snh, snm,
+                     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr):
+        """dq of 64 query rows: per step S = Q K^T and dP = dO V^T (issued together), dS = P (dP - delta),
+        dq += dS K, the last one left in flight while the next step's S and dP are issued."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        it = 0
+        t = 0
+        w = gl.program_id(0)
+        cnt, nmask, ncs, q_pos, lse2, delta = _dq_item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq,
+                                                            scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s,
+                                                            HAS_COLS)
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            nxt = _dq_item_meta(w + gl.num_programs(0), total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq,
+                                scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s, HAS_COLS)
+            pid_m, pid_bh = _work_item(w, total // n_q, n_q)
+            row0 = pid_m * BLOCK_M + HALF * (BLOCK_M // 2)
+            n_steps = cnt + ncs
+            qb = t % QBUF
+            q_smem = q_bufs.index(2 * qb + HALF)
+            do_smem = do_bufs.index(2 * qb + HALF)
+            mbarrier.wait(q_ready.index(qb), (t // QBUF) & 1)
+            zero_s = gl.zeros([BLOCK_M // 2, BLOCK_N], gl.float32, s_layout)
+            dq = gl.zeros([BLOCK_M // 2, HEAD_DIM], gl.float32, o_layout)
+            lse2_b = gl.expand_dims(lse2, 1)
+            delta_b = gl.expand_dims(delta, 1)
+            if n_steps > 0:
+                st = it % STAGES
+                ds_op = _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, st,
+                                   (it // STAGES) & 1, (nmask > 0) | (cnt == 0), q_pos, lse2_b, delta_b, zero_s,
+                                   qk_scale, s_layout, a_layout)
+                for j in range(1, n_steps):
+                    prev = st
+                    it += 1
+                    st = it % STAGES
+                    ph = (it // STAGES) & 1
+                    # dq += dS_{j-1} K_{j-1} runs on the tensor cores while S_j and dP_j are issued behind it
+                    dq_tok = warpgroup_mma(ds_op, k_bufs.index(prev), dq, is_async=True)
+                    mbarrier.wait(k_ready.index(st), ph)
+                    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                    mbarrier.wait(v_ready.index(st), ph)
+                    dp_tok = warpgroup_mma(do_smem, v_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                                           is_async=True)
+                    dq, ds_op, s = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ds_op, s_tok))
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    if (j < nmask) | (j >= cnt):
+                        mbarrier.wait(pos_ready.index(st), ph)
+                        s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                    p = gl.exp2(s * qk_scale - lse2_b)
+                    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+                    ds_op = gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
+                mbarrier.arrive(q_empty.index(qb), count=1)  # Q and dO no longer read
+                dq = warpgroup_mma(ds_op, k_bufs.index(st), dq)
+                mbarrier.arrive(kv_empty.index(st), count=1)
+                it += 1
+            else:
+                mbarrier.arrive(q_empty.index(qb), count=1)
+            rows = row0 + gl.arange(0, BLOCK_M // 2, layout=row_o)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            ptrs = DQ + pid_bh.to(gl.int64) * Sq * HEAD_DIM + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) \
+                + gl.expand_dims(cols, 0)
+            dmask = gl.expand_dims(rows < Sq, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            gl.store(ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=dmask)
+            t += 1
+            cnt, nmask, ncs, q_pos, lse2, delta = nxt
+
+    @gluon.jit
+    def _gl_dq_kernel(q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, DQ, Lse2, Delta, QPos, KPos, FIdx, FCnt,
+                      FNm, NCS, CPos, ColBits, qk_scale, sm_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
+                      sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr):
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * QBUF] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        for i in gl.static_range(QBUF):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(pos_ready.index(i), count=1)
+        gl.warp_specialize([
+            (_producer, (q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                         kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS,
+                         KPos, CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm,
+                         snb, snh, snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, QBUF, gl.constexpr(True))),
+            (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
+                            kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
+                            scb, sch, scm, snb, snh, snm, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            HAS_COLS, QBUF)),
+            (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
+                            kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
+                            scb, sch, scm, snb, snh, snm, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            HAS_COLS, QBUF)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
+    return [t.stride(i) if t.shape[i] > 1 else 0 for i in range(nd)]
+
+
+def gluon_supported(q: torch.Tensor, tiles: TileLists | None = None) -> bool:
+    """Whether :func:`gluon_block_forward` can run these inputs (Gluon present, a CUDA sm_90 device, bf16/fp16,
+    head dim 64 or 128, 128 x 128 tiles)."""
+    if not HAS_GLUON or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    return tiles is None or (tiles.block_m == 128 and tiles.block_n == 128)
+
+
+def _desc(t: torch.Tensor, rows: int):
+    D = t.shape[-1]
+    flat = t.reshape(-1, D)
+    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, D],
+                            gl.NVMMASharedLayout.get_default_for([rows, D], dt))
+
+
+def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
+                   block: int = 128):
+    """The gathered key columns of every query head as dense rows, for TMA: (K_c, V_c [B, H, NCp, D], positions
+    [B, H, NCp] int32 (past-the-end slots: never visible), column steps per query tile [B, H, Mq] int32), NCp =
+    NC rounded up to ``block``. A query tile's steps cover its column chunks up to the last with a bit set.
+
+    About 15 small torch ops, run on the host before every Gluon launch: at 32K / 2% their host time shows in the
+    call's time (``benchmarks/RESULTS.md``, kernel run 7). A version with one ``index_select`` per output timed
+    slower end to end (3.46 against 3.02 ms at 32K / 5%, one run each), so this one stays."""
+    B, Hkv, _, D = k.shape
+    ci = tiles.col_idx.long().expand(B, H, -1)
+    NC = ci.shape[-1]
+    NCp = -(-NC // block) * block
+    bi = torch.arange(B, device=k.device)[:, None, None]
+    hi = (torch.arange(H, device=k.device) // (H // Hkv))[None, :, None]
+    kc = k.new_zeros(B, H, NCp, D)
+    vc = v.new_zeros(B, H, NCp, D)
+    kc[:, :, :NC] = k[bi, hi, ci]
+    vc[:, :, :NC] = v[bi, hi, ci]
+    cpos = torch.full((B, H, NCp), POS_MAX_INT, dtype=torch.int32, device=k.device)
+    cpos[:, :, :NC] = k_pos[ci]
+    bits = tiles.col_bits
+    J = bits.shape[-1]
+    word = torch.arange(1, J + 1, device=k.device, dtype=torch.int32)
+    last = torch.where(bits != 0, word, 0).amax(-1) if J else torch.zeros(bits.shape[:-1], dtype=torch.int32,
+                                                                          device=k.device)
+    steps = (last + block // 64 - 1) // (block // 64)
+    steps = steps.expand(B, H, -1).to(torch.int32).contiguous()
+    return kc, vc, cpos, steps
+
+
+def _num_sms(q: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+
+
+def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int):
+    """What both kernels take for the key side: K/V descriptors, and the gathered columns (descriptors, positions,
+    steps per query tile, bit words, padded count NCp, words J, bit strides; placeholders when there are none)."""
+    kd, vd = _desc(k, 128), _desc(v, 128)
+    has_cols = tiles.col_idx is not None and tiles.col_bits.shape[-1] > 0
+    if not has_cols:
+        fc = tiles.fwd_cnt
+        return kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
+    kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
+    bits = tiles.col_bits
+    return kd, vd, _desc(kc, 128), _desc(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1], _bstrides(bits), True
+
+
+def gluon_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    stages: int = 2,
+    consumer_regs: int = 240,
+    programs: int | None = None,
+    warmup_only: bool = False,
+):
+    """The forward of :func:`mtraining_kernels.vertical_slash.block_forward` (same arguments and results; 128 x 128
+    tiles) by the warp-specialised Gluon kernel. Gathered columns are first copied into dense per-head rows
+    (:func:`gather_columns`) so that TMA can load them like key tiles. ``programs``: persistent programs (default:
+    one per SM). ``warmup_only`` compiles without launching and returns the compiled kernel."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape != (B, Hkv, Sk, D) or v.shape != k.shape or H % Hkv:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D not in (64, 128):
+        raise ValueError(f"gluon forward: head dim {D} not supported (64 or 128)")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"gluon forward: bf16 or fp16 inputs of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}")
+    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    if tiles is None:
+        tiles = dense_tile_lists(q_pos, k_pos, 128, 128)
+    if tiles.block_m != 128 or tiles.block_n != 128:
+        raise ValueError(f"gluon forward: needs 128 x 128 tiles, got {tiles.block_m} x {tiles.block_n}")
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    has_prev = out is not None
+    if has_prev != (lse is not None):
+        raise ValueError("give both out and lse (a running result) or neither")
+    if has_prev:
+        if out.shape != q.shape or lse.shape != (B, H, Sq) or not out.is_contiguous() or lse.dtype != torch.float32:
+            raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} {lse.dtype} do not match q "
+                             f"{tuple(q.shape)} (contiguous out, float32 lse)")
+    else:
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    n_q = triton.cdiv(Sq, 128)
+    total = n_q * B * H
+    grid = (max(1, min(programs or _num_sms(q), total)),)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H)
+    fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
+    qd = _desc(q, ROWS)
+    args = (qd, kd, vd, ckd, cvd, out, lse, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E, Sq, Sk, H,
+            H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *_bstrides(fi), *_bstrides(fc),
+            *_bstrides(fn), *bstr)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_PREV=has_prev, HAS_COLS=has_cols,
+                CONSUMER_REGS=consumer_regs)
+    if warmup_only:
+        return _gl_fwd_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
+    _gl_fwd_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    return out, lse
+
+
+def gluon_block_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists,
+    dq_dtype: torch.dtype = torch.float32,
+    stages: int = 2,
+    consumer_regs: int = 240,
+    programs: int | None = None,
+    warmup_only: bool = False,
+):
+    """dq of :func:`mtraining_kernels.vertical_slash.block_backward` (same pairs, 128 x 128 tiles) by a
+    warp-specialised Gluon kernel built like :func:`gluon_block_forward`. ``lse2`` (base-2 lse, +inf where a row
+    has no pair) and ``delta`` (rowsum(dout * out)) are the contiguous float32 [B, H, Sq] rows of the backward's
+    preprocess pass. Returns dq [B, H, Sq, D] in ``dq_dtype``; one program writes each row (deterministic)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ok = D in (64, 128) and q.dtype in (torch.bfloat16, torch.float16) and tiles.block_m == tiles.block_n == 128
+    if not ok or k.dtype != q.dtype or v.dtype != q.dtype or dout.dtype != q.dtype:
+        raise ValueError(f"gluon dq: needs sm_90, bf16/fp16 inputs of one dtype, head dim 64/128 and 128 x 128 "
+                         f"tiles; got {q.device} {q.dtype}/{k.dtype}/{v.dtype}/{dout.dtype}, D={D}, tiles "
+                         f"{tiles.block_m} x {tiles.block_n}")
+    if dout.shape != q.shape or lse2.shape != (B, H, Sq) or delta.shape != (B, H, Sq):
+        raise ValueError(f"dout {tuple(dout.shape)}, lse2 {tuple(lse2.shape)}, delta {tuple(delta.shape)} do not "
+                         f"match q {tuple(q.shape)}")
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    lse2, delta = lse2.float().contiguous(), delta.float().contiguous()
+    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    dq = torch.empty(B, H, Sq, D, dtype=dq_dtype, device=q.device)
+    n_q = triton.cdiv(Sq, 128)
+    total = n_q * B * H
+    grid = (max(1, min(programs or _num_sms(q), total)),)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H)
+    fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
+    qd, dod = _desc(q, ROWS), _desc(dout, ROWS)
+    args = (qd, dod, kd, vd, ckd, cvd, dq, lse2, delta, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E,
+            scale, Sq, Sk, H, H // Hkv, n_q, total, NCp, J, *_bstrides(fi), *_bstrides(fc), *_bstrides(fn), *bstr)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_COLS=has_cols, QBUF=1 if D > 64 else 2,
+                CONSUMER_REGS=consumer_regs)
+    if warmup_only:
+        return _gl_dq_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
+    _gl_dq_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    return dq
+
+def install_offline_sm90_target() -> None:
+    """Let the JIT compile for sm_90 on a machine without a GPU (``warmup`` only; nothing can be launched after
+    this in the process: it replaces Triton's active driver)."""
+    import sys
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver as _  # noqa: F401 - make sure the module is loaded
+
+    class _Offline:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+    sys.modules["triton.runtime.driver"].driver.set_active(_Offline())
+
+
+def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = False,
+                   kernel: str = "forward") -> dict:
+    """Compile the kernel for sm_90 (on the GPU, or offline: call :func:`install_offline_sm90_target` first) and
+    report its resources: shared memory (bytes), the ``setmaxnreg`` register counts of the partitions, wgmma
+    instructions, and cuobjdump's registers / stack per thread. ``kernel``: "forward" or "dq" (has_prev: forward
+    only)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+
+    S, H, Hkv = 1000, 4, 2
+    dt = torch.bfloat16
+    q = torch.zeros(1, H, S, head_dim, dtype=dt)
+    k = torch.zeros(1, Hkv, S, head_dim, dtype=dt)
+    pos = torch.arange(S)
+    vi = torch.tensor([[[0, 300, 900], [1, 2, 700]]])
+    si = torch.tensor([[[0, 600], [0, 129]]])
+    tiles = pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128)
+    if not has_cols:
+        import dataclasses
+
+        tiles = dataclasses.replace(tiles, col_idx=None, col_bits=None)
+    kw = dict(out=torch.zeros_like(q), lse=torch.zeros(1, H, S)) if has_prev else {}
+    if kernel == "dq":
+        rows = torch.zeros(1, H, S)
+        ker = gluon_block_dq(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, warmup_only=True)
+    else:
+        ker = gluon_block_forward(q, k, k, pos, pos, 0.1, tiles, warmup_only=True, **kw)
+    ptx = ker.asm["ptx"]
+    rep = {"shared": ker.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+           "setmaxnreg": [int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)]}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ker.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    rep["registers"], rep["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    return rep

@@ -1,0 +1,98 @@
+"""The Gluon (warp-specialised Hopper) forward and dq kernels, on CPU: the column gather they feed TMA with, the
+dispatch rules of ``KernelConfig.forward`` / ``.dq``, and an offline sm_90 compile of the kernels (no GPU needed:
+Triton's ptxas compiles for a target given by hand). Their numbers on the GPU are checked in
+``tests/test_kernels_gpu.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mtraining_kernels.indexing import COL_CHUNK, expand_pattern, pattern_tile_lists
+from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block_forward
+
+gluon_hopper = pytest.importorskip("mtraining_kernels.gluon_hopper")
+needs_gluon = pytest.mark.skipif(not gluon_hopper.HAS_GLUON, reason="this Triton has no Gluon")
+
+
+def _tiles(B, H, Hkv, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    vi = torch.randint(0, S, (B, Hkv, 40), generator=g)
+    vi[:, 1:, -5:] = -1  # ragged budgets per KV group
+    si = torch.tensor([0, 3, 257]).expand(B, Hkv, -1).clone()
+    return pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128)
+
+
+@pytest.mark.parametrize("B,H,Hkv,S", [(2, 6, 3, 1000), (1, 4, 1, 777)])
+def test_gather_columns_copies_the_selected_keys(B, H, Hkv, S):
+    D = 16
+    k, v = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    k_pos = torch.arange(S, dtype=torch.int32) * 3 + 5  # any global positions: the gather must copy them
+    tiles = _tiles(B, H, Hkv, S, seed=S)
+    kc, vc, cpos, steps = gluon_hopper.gather_columns(k, v, k_pos, tiles, H)
+    ci = tiles.col_idx.long().expand(B, H, -1)
+    NC = ci.shape[-1]
+    assert kc.shape == (B, H, kc.shape[2], D) and kc.shape[2] % 128 == 0 and kc.shape[2] >= NC
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)  # GQA: the KV head of query head h
+            assert torch.equal(kc[b, h, :NC], k[b, g, ci[b, h]])
+            assert torch.equal(vc[b, h, :NC], v[b, g, ci[b, h]])
+            assert torch.equal(cpos[b, h, :NC], k_pos[ci[b, h]])
+    assert (kc[:, :, NC:] == 0).all() and (vc[:, :, NC:] == 0).all()
+    assert (cpos[:, :, NC:] == gluon_hopper.POS_MAX_INT).all()  # padding slots: never visible to any query
+    # steps: 128-column chunks a query tile walks = up to (and including) the chunk of its last set bit word
+    bits = tiles.col_bits.expand(B, H, -1, -1)
+    for b in range(B):
+        for h in range(H):
+            for t in range(bits.shape[2]):
+                nz = torch.nonzero(bits[b, h, t]).flatten()
+                want = 0 if nz.numel() == 0 else (int(nz[-1]) * COL_CHUNK) // 128 + 1
+                assert int(steps[b, h, t]) == want, (b, h, t)
+
+
+def test_kernel_config_kernel_choices_are_validated():
+    with pytest.raises(ValueError, match="forward='cuda'"):
+        KernelConfig(forward="cuda")
+    with pytest.raises(ValueError, match="dq='fast'"):
+        KernelConfig(dq="fast")
+
+
+def test_gluon_where_it_cannot_run_says_why():
+    # CPU tensors: no sm_90 device, so 'gluon' must refuse with the reason (before anything is launched)
+    B, H, Hkv, S, D = 1, 2, 1, 200, 16
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    pos = torch.arange(S)
+    assert not gluon_hopper.gluon_supported(q)
+    with pytest.raises(ValueError, match="forward='gluon'.*needs an sm_90 GPU"):
+        block_forward(q, k, v, pos, pos, 0.25, block_m=128, block_n=128, config=KernelConfig(forward="gluon"))
+    with pytest.raises(ValueError, match="dq='gluon'.*needs an sm_90 GPU"):
+        block_backward(q, k, v, q, torch.zeros(B, H, S), q, pos, pos, 0.25, block_m=128, block_n=128,
+                       config=KernelConfig(dq="gluon"))
+
+
+@needs_gluon
+@pytest.mark.parametrize("kernel,head_dim,has_cols,has_prev",
+                         [("forward", 128, True, True), ("forward", 64, False, False), ("dq", 128, True, False)])
+def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_prev):
+    # The compile runs in a subprocess: the offline target replaces Triton's driver for the whole process.
+    code = (
+        "import json, sys\n"
+        "from mtraining_kernels import gluon_hopper as g\n"
+        "g.install_offline_sm90_target()\n"
+        f"print(json.dumps(g.compile_report({head_dim}, {has_cols}, {has_prev}, kernel={kernel!r})))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    # warp specialisation: the producer gives its registers to the two consumer warpgroups (24 / 240 per thread)
+    assert 24 in rep["setmaxnreg"] and 240 in rep["setmaxnreg"], rep
+    assert rep["wgmma"] > 0, rep  # tensor cores through wgmma, not mma.sync
+    assert rep["shared"] <= 232448, rep  # sm_90's 227 KB of shared memory per block
+    # a few bytes of stack are ptxas's call frame; the 184-296 bytes seen before the key positions moved to shared
+    # memory were spills on the critical path
+    assert rep["stack"] is not None and rep["stack"] <= 64, rep
