@@ -458,13 +458,14 @@ if HAS_GLUON:
                             HAS_COLS, QBUF)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
+
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
     return [t.stride(i) if t.shape[i] > 1 else 0 for i in range(nd)]
 
 
 def gluon_supported(q: torch.Tensor, tiles: TileLists | None = None) -> bool:
-    """Whether :func:`gluon_block_forward` can run these inputs (Gluon present, a CUDA sm_90 device, bf16/fp16,
-    head dim 64 or 128, 128 x 128 tiles)."""
+    """Whether the Gluon kernels can run these inputs (Gluon present, a CUDA sm_90 device, bf16/fp16, head dim 64
+    or 128, 128 x 128 tiles)."""
     if not HAS_GLUON or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
@@ -487,8 +488,9 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     NC rounded up to ``block``. A query tile's steps cover its column chunks up to the last with a bit set.
 
     About 15 small torch ops, run on the host before every Gluon launch: at 32K / 2% their host time shows in the
-    call's time (``benchmarks/RESULTS.md``, kernel run 7). A version with one ``index_select`` per output timed
-    slower end to end (3.46 against 3.02 ms at 32K / 5%, one run each), so this one stays."""
+    call's time (``benchmarks/RESULTS.md``, kernel run 7). A version with one ``index_select`` per output was
+    timed once, on another machine start, at 3.46 ms against this one's 3.02 ms (32K / 5% fwd+bwd): inside the
+    spread seen there, so not conclusive; this one, the version the GPU checks ran, stays."""
     B, Hkv, _, D = k.shape
     ci = tiles.col_idx.long().expand(B, H, -1)
     NC = ci.shape[-1]
