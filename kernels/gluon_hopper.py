@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
-from mtraining_kernels.indexing import TileLists, dense_tile_lists
+from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
 
 try:  # Gluon is in Triton >= 3.4
     from triton.experimental import gluon
@@ -481,20 +482,79 @@ def _desc(t: torch.Tensor, rows: int):
                             gl.NVMMASharedLayout.get_default_for([rows, D], dt))
 
 
-def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
-                   block: int = 128):
-    """The gathered key columns of every query head as dense rows, for TMA: (K_c, V_c [B, H, NCp, D], positions
-    [B, H, NCp] int32 (past-the-end slots: never visible), column steps per query tile [B, H, Mq] int32), NCp =
-    NC rounded up to ``block``. A query tile's steps cover its column chunks up to the last with a bit set.
+@triton.jit
+def _gather_columns_kernel(K, V, KPos, CI, Bits, KC, VC, CPos, Steps, H, G, NC, NCp, Mq, J,
+                           skb, skh, sks, svb, svh, svs, sib, sih, sin, sbb, sbh, sbm,
+                           HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_J: tl.constexpr, WORDS_PER_STEP: tl.constexpr):
+    """Grid (column blocks + query-tile blocks, B*H). The first cdiv(NCp, BLOCK_C) programs of a head copy
+    BLOCK_C gathered key rows of K and V (and their positions; past-the-end slots: zeros, never-visible
+    position); the others compute the column steps of BLOCK_R query tiles from their bit words."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n_cb = tl.cdiv(NCp, BLOCK_C)
+    if pid < n_cb:
+        offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        real = offs_c < NC
+        ci = tl.load(CI + b * sib + h * sih + offs_c * sin, mask=real, other=0).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        hk = h // G
+        kr = tl.load(K + b * skb + hk * skh + ci[:, None] * sks + d[None, :], mask=real[:, None], other=0.0)
+        vr = tl.load(V + b * svb + hk * svh + ci[:, None] * svs + d[None, :], mask=real[:, None], other=0.0)
+        dst = (bh.to(tl.int64) * NCp + offs_c)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(KC + dst, kr)
+        tl.store(VC + dst, vr)
+        kp = tl.load(KPos + ci, mask=real, other=2147483647)  # past the end: a key no query sees
+        tl.store(CPos + bh.to(tl.int64) * NCp + offs_c, kp)
+    else:
+        offs_m = (pid - n_cb) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_j = tl.arange(0, BLOCK_J)
+        ok = (offs_m[:, None] < Mq) & (offs_j[None, :] < J)
+        w = tl.load(Bits + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_j[None, :], mask=ok, other=0)
+        last = tl.max(tl.where(w != 0, offs_j[None, :] + 1, 0), axis=1)  # 1 + the last word with a bit set
+        tl.store(Steps + bh.to(tl.int64) * Mq + offs_m, (last + WORDS_PER_STEP - 1) // WORDS_PER_STEP,
+                 mask=offs_m < Mq)
 
-    About 15 small torch ops, run on the host before every Gluon launch: at 32K / 2% their host time shows in the
-    call's time (``benchmarks/RESULTS.md``, kernel run 7). A version with one ``index_select`` per output was
-    timed once, on another machine start, at 3.46 ms against this one's 3.02 ms (32K / 5% fwd+bwd): inside the
-    spread seen there, so not conclusive; this one, the version the GPU checks ran, stays."""
+
+def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
+                   block: int = 128, use_kernel: bool | None = None):
+    """The gathered key columns of every query head as dense rows, for TMA: (K_c, V_c [B, H, NCp, D], positions
+    [B, H, NCp] int32 (past-the-end slots: zeros and a position no query sees), column steps per query tile
+    [B, H, Mq] int32), NCp = NC rounded up to ``block``. A query tile's steps cover its column chunks up to the
+    last with a bit set.
+
+    ``use_kernel`` (default: on CUDA) does it in one Triton launch (``_gather_columns_kernel``); otherwise ~15
+    torch ops, the reference the kernel is tested against. Those ops' host time (0.48 ms per call at 32K / 2%,
+    twice per fwd+bwd) showed in the call's time (``benchmarks/RESULTS.md``, kernel run 7), hence the kernel."""
     B, Hkv, _, D = k.shape
-    ci = tiles.col_idx.long().expand(B, H, -1)
+    ci = tiles.col_idx
     NC = ci.shape[-1]
     NCp = -(-NC // block) * block
+    bits = tiles.col_bits
+    J, Mq = bits.shape[-1], bits.shape[-2]
+    if use_kernel is None:
+        use_kernel = k.is_cuda
+    if use_kernel:
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
+            raise ValueError(f"gather_columns: needs unit-stride rows and a power-of-two head dim, got D={D}")
+        ci = ci if ci.stride(-1) == 1 else ci.contiguous()
+        bits = bits if bits.stride(-1) == 1 else bits.contiguous()
+        kc = torch.empty(B, H, NCp, D, dtype=k.dtype, device=k.device)
+        vc = torch.empty_like(kc)
+        cpos = torch.empty(B, H, NCp, dtype=torch.int32, device=k.device)
+        steps = torch.empty(B, H, Mq, dtype=torch.int32, device=k.device)
+        BLOCK_C, BLOCK_R = 32, 32
+        grid = (triton.cdiv(NCp, BLOCK_C) + triton.cdiv(Mq, BLOCK_R), B * H)
+        _gather_columns_kernel[grid](
+            k, v, k_pos, ci, bits, kc, vc, cpos, steps, H, H // Hkv, NC, NCp, Mq, J,
+            *_bstrides(k), *_bstrides(v), *_bstrides(ci), *_bstrides(bits),
+            HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(max(J, 1)),
+            WORDS_PER_STEP=block // COL_CHUNK, num_warps=4,
+        )
+        return kc, vc, cpos, steps
+    ci = ci.long().expand(B, H, -1)
     bi = torch.arange(B, device=k.device)[:, None, None]
     hi = (torch.arange(H, device=k.device) // (H // Hkv))[None, :, None]
     kc = k.new_zeros(B, H, NCp, D)
@@ -503,12 +563,10 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     vc[:, :, :NC] = v[bi, hi, ci]
     cpos = torch.full((B, H, NCp), POS_MAX_INT, dtype=torch.int32, device=k.device)
     cpos[:, :, :NC] = k_pos[ci]
-    bits = tiles.col_bits
-    J = bits.shape[-1]
     word = torch.arange(1, J + 1, device=k.device, dtype=torch.int32)
     last = torch.where(bits != 0, word, 0).amax(-1) if J else torch.zeros(bits.shape[:-1], dtype=torch.int32,
                                                                           device=k.device)
-    steps = (last + block // 64 - 1) // (block // 64)
+    steps = (last + block // COL_CHUNK - 1) // (block // COL_CHUNK)
     steps = steps.expand(B, H, -1).to(torch.int32).contiguous()
     return kc, vc, cpos, steps
 

@@ -524,7 +524,7 @@ def _vs_bwd_dkdv_cols_kernel(
 ):
     """One program per (BLOCK_C column slots = BLOCK_C / 64 chunks, batch * head, part p): the p-th of P equal ranges
     of the query tiles that see those chunks; writes its partial dk/dv of the slots to DKC/DVC [P, GROUP, B, HKV,
-    NC, D] (summed by the launcher in a fixed order)."""
+    NC, D] (in a [P, GROUP, 2, B, HKV, NC, D] buffer; summed by the launcher in a fixed order)."""
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -567,8 +567,9 @@ def _vs_bwd_dkdv_cols_kernel(
         row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
         dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
                                 row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
-    # partials laid out [P, GROUP, B, HKV, NC, D]: head g of every KV group is one contiguous slab for index_add_
-    slab = (pid_p * GROUP + h % GROUP) * (BH // GROUP) + b * (H // GROUP) + hk
+    # partials laid out [P, GROUP, 2, B, HKV, NC, D] (DKC / DVC: the views [:, :, 0] / [:, :, 1]): head g's dk and
+    # dv of every KV group are one contiguous slab for index_add_
+    slab = (pid_p * GROUP + h % GROUP) * 2 * (BH // GROUP) + b * (H // GROUP) + hk
     out_off = (slab.to(tl.int64) * NC + j0 * CHUNK + offs_c[:, None]) * HEAD_DIM
     tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale, mask=slot_ok[:, None])
     tl.store(DVC + out_off + offs_d[None, :], dv, mask=slot_ok[:, None])
@@ -757,8 +758,8 @@ def block_backward(
     )
     BM, BN = tiles.block_m, tiles.block_n
     has_cols = tiles.col_idx is not None
-    dk = torch.empty(B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
-    dv = torch.empty_like(dk)
+    dkv = torch.empty(2, B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
+    dk, dv = dkv[0], dkv[1]  # one buffer: the column epilogue adds into both with one index_add_ per head
     sub_m, sub_n = min(BM, cfg.sub_m), min(BN, cfg.sub_n)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
@@ -788,27 +789,25 @@ def block_backward(
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
         P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
         col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
-        dkc = torch.empty(P, G, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
-        dvc = torch.empty_like(dkc)
+        dkvc = torch.empty(P, G, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
         _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
-            q, k, v, dout, lse2, delta, dkc, dvc, q_pos, k_pos, ci, cb,
+            q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb,
             scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
             HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
             num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
         )
-        if P > 1:  # fixed summation order over the parts: deterministic
-            dkc, dvc = dkc.sum(0), dvc.sum(0)
-        else:
-            dkc, dvc = dkc[0], dvc[0]
-        # rows of dk [B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col; dkc[g] is [B, Hkv, NC, D]
+        part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]; a fixed summation order: deterministic
+        # rows of dkv [2*B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col (dk), the same + B*Hkv*Sk (dv)
         cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
-        base = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1)
-        dk2, dv2 = dk.view(-1, D), dv.view(-1, D)
-        for g in range(G):
-            rows = (base + cols[:, :, g]).reshape(-1)
-            dk2.index_add_(0, rows, dkc[g].view(-1, D))
-            dv2.index_add_(0, rows, dvc[g].view(-1, D))
-    return dq, dk.to(gdt), dv.to(gdt)
+        rows = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1, 1) + cols
+        rows = rows.permute(2, 0, 1, 3).reshape(G, 1, -1)
+        idx = torch.cat((rows, rows + B * Hkv * Sk), 1).view(G, -1)
+        flat = dkv.view(-1, D)
+        for g in range(G):  # one writer per row within a head (unique columns; padding slots add exact zeros)
+            flat.index_add_(0, idx[g], part[g].view(-1, D))
+    if dkv.dtype != gdt:
+        dkv = dkv.to(gdt)
+    return dq, dkv[0], dkv[1]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -65,6 +65,23 @@ def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     _check_bf16(S, D, 128, _config(spec))
 
 
+@pytest.mark.parametrize("S,D", [(32767, 128), (8191, 64)])
+def test_gather_columns_kernel_matches_torch_gather(S, D):
+    # the one-launch column gather feeding the Gluon kernels against its torch version: a copy, so exact (bf16,
+    # GQA 16/2, per-head budgets, B = 2 with lists shared over the batch, key positions not 0..S-1)
+    from mtraining_kernels.gluon_hopper import gather_columns
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+
+    vi, si = _pattern(1, 2, S, 700, [0, 1, 2, 300], seed=S)
+    tiles = pattern_tile_lists(expand_pattern(vi, 16, 2), expand_pattern(si, 16, 2), S, 128, 128)
+    k, v = (torch.randn(2, 2, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_pos = torch.arange(S, device="cuda", dtype=torch.int32) + 1000
+    got = gather_columns(k, v, k_pos, tiles, 16, use_kernel=True)
+    want = gather_columns(k, v, k_pos, tiles, 16, use_kernel=False)
+    for name, a, b in zip(("k", "v", "positions", "steps"), got, want):
+        assert a.shape == b.shape and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", ["pattern", "shifted dense"])
 def test_gluon_forward_merges_a_running_result(D, case):

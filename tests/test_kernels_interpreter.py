@@ -34,6 +34,7 @@ CHECKS = [
     "rectangular_tiles_and_dkdv_subtiles",
     "triton_list_builder_matches_torch",
     "gluon_auto_falls_back_to_triton",
+    "gather_columns_kernel_matches_torch",
 ]
 
 
@@ -343,6 +344,26 @@ def _run_checks() -> dict[str, str]:
         got = block_backward(q, k, v, out, lse, dout, pos, pos, 0.25, config=auto, **kw)
         want = block_backward(q, k, v, out, lse, dout, pos, pos, 0.25, config=triton_only, **kw)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    def gather_columns_kernel_matches_torch():
+        # The Gluon path's one-launch column gather (a plain Triton kernel) against its torch version (itself
+        # checked against direct indexing in test_gluon_hopper.py): a copy, so exact. GQA, ragged budgets per
+        # KV group, broadcast lists over the batch (B' = 1 < B), global key positions that are not 0..S-1, and
+        # NC not a multiple of the 128-row block (past-the-end slots) nor of the 32-slot program block.
+        from mtraining_kernels.gluon_hopper import gather_columns
+
+        g = torch.Generator().manual_seed(3)
+        for B, H, Hkv, S, nv, D in [(2, 6, 3, 1000, 40, 16), (1, 4, 1, 777, 150, 32), (3, 2, 2, 300, 7, 16)]:
+            vi = torch.randint(0, S, (1, Hkv, nv), generator=g)
+            vi[:, 1:, -5:] = -1
+            si = torch.tensor([0, 3, 257]).expand(1, Hkv, -1).clone()
+            tiles = pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128)
+            k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+            k_pos = torch.arange(S, dtype=torch.int32) * 3 + 5
+            got = gather_columns(k, v, k_pos, tiles, H, use_kernel=True)
+            want = gather_columns(k, v, k_pos, tiles, H, use_kernel=False)
+            for n, a, b in zip(("kc", "vc", "cpos", "steps"), got, want):
+                assert a.shape == b.shape and torch.equal(a, b), f"B={B} H={H}/{Hkv} S={S} nv={nv}: {n} differs"
 
     results = {}
     only = os.environ.get("MT_CHECKS")  # comma-separated subset, for a quick local run
