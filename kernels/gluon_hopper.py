@@ -459,6 +459,166 @@ if HAS_GLUON:
                             HAS_COLS, QBUF)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs,
+                       delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt, QPos, Lse2, Delta,
+                       Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Per work item (key tile, batch, KV head): the key tile's K/V halves once, then for every query head of
+        the group and every query tile of its list, two 64-row steps: TMA loads of Q and dO rows, and the rows'
+        positions, base-2 lse and delta written to shared memory."""
+        RQ: gl.constexpr = q_desc.block_type.shape[0]  # query rows per step
+        row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        offs_r = gl.arange(0, RQ, layout=row_layout)
+        BHK = total // n_k
+        it = 0
+        t = 0
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            pid_n = w // BHK  # the first key tiles first: under causality they see the most query tiles
+            pid_bk = w % BHK
+            b = pid_bk // HKV
+            hk = pid_bk % HKV
+            mbarrier.wait(kv_empty, (t & 1) ^ 1)
+            mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+            row_k = pid_bk * Sk + pid_n * BLOCK_N
+            for half in gl.static_range(2):
+                tma.async_copy_global_to_shared(k_desc, [row_k + half * (BLOCK_N // 2), 0], kv_ready,
+                                                k_bufs.index(half))
+                tma.async_copy_global_to_shared(v_desc, [row_k + half * (BLOCK_N // 2), 0], kv_ready,
+                                                v_bufs.index(half))
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                base = BIdx + b * sib + h * sih + pid_n * sin
+                cnt = gl.load(BCnt + b * scb + h * sch + pid_n * scn)
+                row_bh = (b * H + h) * Sq
+                for i in range(cnt * (BLOCK_M // RQ)):
+                    st = it % STAGES
+                    mbarrier.wait(q_empty.index(st), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    r0 = gl.load(base + i // (BLOCK_M // RQ)) * BLOCK_M + (i % (BLOCK_M // RQ)) * RQ
+                    tma.async_copy_global_to_shared(q_desc, [row_bh + r0, 0], q_ready.index(st), q_bufs.index(st))
+                    tma.async_copy_global_to_shared(do_desc, [row_bh + r0, 0], q_ready.index(st), do_bufs.index(st))
+                    offs = r0 + offs_r
+                    ok = offs < Sq
+                    qpos_bufs.index(st).store(gl.load(QPos + offs, mask=ok, other=POS_MIN))
+                    lse2_bufs.index(st).store(gl.load(Lse2 + row_bh.to(gl.int64) + offs, mask=ok,
+                                                      other=float("inf")))
+                    delta_bufs.index(st).store(gl.load(Delta + row_bh.to(gl.int64) + offs, mask=ok, other=0.0))
+                    mbarrier.arrive(row_ready.index(st), count=1)
+                    it += 1
+            t += 1
+
+    @gluon.jit
+    def _dkdv_consumer(q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
+                       q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV, GROUP,
+                       n_k, total, scb, sch, scn, snb, snh, snn,
+                       HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """dk, dv of 64 keys (half ``HALF`` of the key tile): per 64-row query step S^T = K Q^T and dP^T = V dO^T
+        (issued together), P^T = exp2(S^T - lse2), dv += P^T dO, dS^T = P^T (dP^T - delta), dk += dS^T Q."""
+        RQ: gl.constexpr = q_bufs.type.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, RQ, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        BHK = total // n_k
+        k_smem = k_bufs.index(HALF)
+        v_smem = v_bufs.index(HALF)
+        it = 0
+        t = 0
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            pid_n = w // BHK
+            pid_bk = w % BHK
+            b = pid_bk // HKV
+            hk = pid_bk % HKV
+            key0 = pid_n * BLOCK_N + HALF * (BLOCK_N // 2)
+            offs_k = key0 + gl.arange(0, BLOCK_N // 2, layout=row_s)
+            k_pos = gl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
+            zero_s = gl.zeros([BLOCK_N // 2, RQ], gl.float32, s_layout)
+            dk = gl.zeros([BLOCK_N // 2, HEAD_DIM], gl.float32, o_layout)
+            dv = gl.zeros([BLOCK_N // 2, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(kv_ready, t & 1)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                cnt = gl.load(BCnt + b * scb + h * sch + pid_n * scn)
+                nmask = gl.load(BNm + b * snb + h * snh + pid_n * snn)
+                for i in range(cnt * (BLOCK_M // RQ)):
+                    st = it % STAGES
+                    ph = (it // STAGES) & 1
+                    mbarrier.wait(q_ready.index(st), ph)
+                    q_smem = q_bufs.index(st)
+                    do_smem = do_bufs.index(st)
+                    st_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    dpt_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    s_t = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
+                    mbarrier.wait(row_ready.index(st), ph)
+                    if i < nmask * (BLOCK_M // RQ):
+                        q_pos = qpos_bufs.index(st).load(col_s)
+                        s_t = gl.where(gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0), s_t, float("-inf"))
+                    lse2 = lse2_bufs.index(st).load(col_s)
+                    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+                    pt_op = gl.convert_layout(p_t.to(q_bufs.dtype), a_layout)
+                    dv_tok = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+                    dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok,))  # dP^T done, dv may run on
+                    delta = delta_bufs.index(st).load(col_s)
+                    ds_op = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype), a_layout)
+                    dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+                    dv, dk, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pt_op, ds_op))
+                    mbarrier.arrive(q_empty.index(st), count=1)
+                    it += 1
+            mbarrier.arrive(kv_empty, count=1)
+            rows = key0 + gl.arange(0, BLOCK_N // 2, layout=row_o)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            off = gl.expand_dims((pid_bk.to(gl.int64) * Sk + rows) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+            smask = gl.expand_dims(rows < Sk, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            gl.store(DK + off, (dk * sm_scale).to(DK.dtype.element_ty), mask=smask)
+            gl.store(DV + off, dv.to(DV.dtype.element_ty), mask=smask)
+            t += 1
+
+    @gluon.jit
+    def _gl_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, QPos, KPos, Lse2, Delta, BIdx, BCnt, BNm,
+                        qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP, n_k, total,
+                        sib, sih, sin, scb, sch, scn, snb, snh, snn,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr):
+        RQ: gl.constexpr = q_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        qpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, RQ], row_sl)
+        lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, RQ], row_sl)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, RQ], row_sl)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        row_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kv_empty, count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+            mbarrier.init(row_ready.index(i), count=1)
+        gl.warp_specialize([
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs,
+                              lse2_bufs, delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt,
+                              QPos, Lse2, Delta, Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
+                              q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
+                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, gl.constexpr(0), HEAD_DIM, BLOCK_M,
+                              BLOCK_N, STAGES)),
+            (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
+                              q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
+                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, gl.constexpr(1), HEAD_DIM, BLOCK_M,
+                              BLOCK_N, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
     return [t.stride(i) if t.shape[i] > 1 else 0 for i in range(nd)]
@@ -700,6 +860,63 @@ def gluon_block_dq(
     _gl_dq_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
     return dq
 
+def gluon_block_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists,
+    grad_dtype: torch.dtype = torch.float32,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    stages: int = 2,
+    consumer_regs: int = 240,
+    programs: int | None = None,
+    warmup_only: bool = False,
+):
+    """dk, dv of the key TILES of :func:`mtraining_kernels.vertical_slash.block_backward` (the gathered columns'
+    share stays with the Triton column kernel), by a warp-specialised Gluon kernel: one work item per (key tile,
+    batch, KV head), the K/V tile resident in shared memory, every query head of the group and every query tile of
+    its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
+    ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors.
+    First GPU run (branch gluon-dkdv, 2026-12-03): dk and dv of 17 bf16/fp16 checks (dense, patterns with and without
+    columns, GQA, B=2, shifted positions, D 64/128) equal the Triton kernel's errors against a float32 reference to
+    every printed digit, and two runs are bit-identical; not the default until timed (``KernelConfig.dkdv``)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ok = D in (64, 128) and q.dtype in (torch.bfloat16, torch.float16) and tiles.block_m == tiles.block_n == 128
+    if not ok or k.dtype != q.dtype or v.dtype != q.dtype or dout.dtype != q.dtype:
+        raise ValueError(f"gluon dk/dv: needs bf16/fp16 inputs of one dtype, head dim 64/128 and 128 x 128 tiles; "
+                         f"got {q.dtype}/{k.dtype}/{v.dtype}/{dout.dtype}, D={D}, tiles {tiles.block_m} x "
+                         f"{tiles.block_n}")
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    lse2, delta = lse2.float().contiguous(), delta.float().contiguous()
+    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    for name, t in (("dk", dk), ("dv", dv)):
+        if t is not None and (t.shape != k.shape or not t.is_contiguous()):
+            raise ValueError(f"gluon dk/dv: output {name} {tuple(t.shape)} must be contiguous and shaped like k "
+                             f"{tuple(k.shape)}")
+    dk = torch.empty(B, Hkv, Sk, D, dtype=grad_dtype, device=q.device) if dk is None else dk
+    dv = torch.empty_like(dk) if dv is None else dv
+    n_k = triton.cdiv(Sk, 128)
+    total = n_k * B * Hkv
+    grid = (max(1, min(programs or _num_sms(q), total)),)
+    qd, dod, kd, vd = _desc(q, ROWS), _desc(dout, ROWS), _desc(k, 64), _desc(v, 64)
+    bi, bc, bn = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_nmask
+    args = (qd, dod, kd, vd, dk, dv, q_pos, k_pos, lse2, delta, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv,
+            H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn))
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs)
+    if warmup_only:
+        return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
+    _gl_dkdv_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    return dk, dv
+
 def install_offline_sm90_target() -> None:
     """Let the JIT compile for sm_90 on a machine without a GPU (``warmup`` only; nothing can be launched after
     this in the process: it replaces Triton's active driver)."""
@@ -756,6 +973,9 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
     if kernel == "dq":
         rows = torch.zeros(1, H, S)
         ker = gluon_block_dq(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, warmup_only=True)
+    elif kernel == "dkdv":
+        rows = torch.zeros(1, H, S)
+        ker = gluon_block_dkdv(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, warmup_only=True)
     else:
         ker = gluon_block_forward(q, k, k, pos, pos, 0.1, tiles, warmup_only=True, **kw)
     ptx = ker.asm["ptx"]

@@ -278,7 +278,10 @@ class KernelConfig:
             where it can run, i.e. sm_90, bf16/fp16, head dim 64/128, 128 x 128 tiles; triton elsewhere, so CPU,
             the interpreter and other GPUs are unchanged). Kernel run 7 in ``benchmarks/RESULTS.md``.
         dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
-            Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`). dk/dv stay Triton.
+            Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`).
+        dkdv: the dk/dv kernel of the key tiles, the same choice but "triton" by default: the Gluon one
+            (:func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`) has passed its GPU checks but is not
+            timed yet. The gathered columns' dk/dv are always Triton.
     """
 
     fwd_warps: int | None = None
@@ -296,9 +299,10 @@ class KernelConfig:
     heavy_first: bool = True
     forward: str = "auto"
     dq: str = "auto"
+    dkdv: str = "triton"
 
     def __post_init__(self) -> None:
-        for name in ("forward", "dq"):
+        for name in ("forward", "dq", "dkdv"):
             if getattr(self, name) not in ("triton", "gluon", "auto"):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)!r}; expected 'triton', 'gluon' or 'auto'")
         for name in ("col_step", "col_block"):
@@ -750,6 +754,7 @@ def block_backward(
                          f"{tuple(q.shape)}")
     gdt = grad_dtype or torch.float32
     gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True)  # (an error for dq='gluon' here, before any launch)
+    gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True)
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
@@ -778,13 +783,18 @@ def block_backward(
             BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
             num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
         )
-    (bi, bc, bn), bstr = _list_args(tiles, "bwd")
-    _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
-        q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
-        scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
-        num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
-    )
+    if gluon_dkdv:
+        from mtraining_kernels.gluon_hopper import gluon_block_dkdv
+
+        gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv)
+    else:
+        (bi, bc, bn), bstr = _list_args(tiles, "bwd")
+        _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
+            q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
+            scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
+            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
+            num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
+        )
     if J > 0:
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
         P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)

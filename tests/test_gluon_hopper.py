@@ -60,6 +60,8 @@ def test_kernel_config_kernel_choices_are_validated():
         KernelConfig(forward="cuda")
     with pytest.raises(ValueError, match="dq='fast'"):
         KernelConfig(dq="fast")
+    with pytest.raises(ValueError, match="dkdv='cuda'"):
+        KernelConfig(dkdv="cuda")
 
 
 def test_gluon_where_it_cannot_run_says_why():
@@ -77,7 +79,8 @@ def test_gluon_where_it_cannot_run_says_why():
 
 @needs_gluon
 @pytest.mark.parametrize("kernel,head_dim,has_cols,has_prev",
-                         [("forward", 128, True, True), ("forward", 64, False, False), ("dq", 128, True, False)])
+                         [("forward", 128, True, True), ("forward", 64, False, False), ("dq", 128, True, False),
+                          ("dkdv", 128, True, False)])
 def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_prev):
     # The compile runs in a subprocess: the offline target replaces Triton's driver for the whole process.
     code = (
@@ -93,6 +96,6 @@ def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_pr
     assert 24 in rep["setmaxnreg"] and 240 in rep["setmaxnreg"], rep
     assert rep["wgmma"] > 0, rep  # tensor cores through wgmma, not mma.sync
     assert rep["shared"] <= 232448, rep  # sm_90's 227 KB of shared memory per block
-    # a few bytes of stack are ptxas's call frame; the 184-296 bytes seen before the key positions moved to shared
-    # memory were spills on the critical path
+    # a few bytes of stack are ptxas's call frame or a spilled register or two (dk/dv: 24 B); the 184-296 bytes
+    # seen before the forward's key positions moved to shared memory were spills on the critical path
     assert rep["stack"] is not None and rep["stack"] <= 64, rep

@@ -39,7 +39,7 @@ def _config(spec):
     from mtraining_kernels.vertical_slash import KernelConfig
 
     items = (i.partition("=") for i in spec.split(","))
-    kw = {key: val if key in ("forward", "dq") else int(val) for key, _, val in items}
+    kw = {key: val if key in ("forward", "dq", "dkdv") else int(val) for key, _, val in items}
     return KernelConfig(**kw)
 
 
@@ -58,9 +58,12 @@ def test_bf16_launch_settings_match_fp32_reference(config):
 
 
 @pytest.mark.parametrize("S,D,spec", [(8191, 128, "forward=gluon"), (32767, 128, "forward=gluon,dq=gluon"),
-                                      (8191, 64, "forward=gluon,dq=gluon"), (8191, 128, "dq=gluon")])
+                                      (8191, 64, "forward=gluon,dq=gluon"), (8191, 128, "dq=gluon"),
+                                      (8191, 128, "dkdv=gluon"), (8191, 64, "dkdv=gluon"),
+                                      (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon")])
 def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
-    # the warp-specialised Gluon forward and dq (the other kernels Triton's): same rule, ragged lengths
+    # the warp-specialised Gluon forward, dq and (experimental) dk/dv kernels, the others Triton's: same rule,
+    # ragged lengths
     _needs_sm90()
     _check_bf16(S, D, 128, _config(spec))
 
