@@ -279,9 +279,9 @@ class KernelConfig:
             the interpreter and other GPUs are unchanged). Kernel run 7 in ``benchmarks/RESULTS.md``.
         dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
             Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`).
-        dkdv: the dk/dv kernel of the key tiles, the same choice but "triton" by default: the Gluon one
-            (:func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`) has passed its GPU checks but is not
-            timed yet. The gathered columns' dk/dv are always Triton.
+        dkdv: the dk/dv kernel of the key tiles, the same choice ("auto" = the default; the Gluon one is
+            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; kernel run 8). The gathered columns' dk/dv
+            are always Triton.
     """
 
     fwd_warps: int | None = None
@@ -299,7 +299,7 @@ class KernelConfig:
     heavy_first: bool = True
     forward: str = "auto"
     dq: str = "auto"
-    dkdv: str = "triton"
+    dkdv: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward", "dq", "dkdv"):

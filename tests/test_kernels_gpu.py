@@ -48,9 +48,9 @@ def _needs_sm90():
         pytest.skip("the Gluon forward is for sm_90 (Hopper) only")
 
 
-@pytest.mark.parametrize("config", ["forward=triton,dq=triton",
-                                    "q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64,forward=triton,dq=triton",
-                                    "q_rows=32,sub_n=64,heavy_first=0,forward=triton,dq=triton"])
+@pytest.mark.parametrize("config", ["forward=triton,dq=triton,dkdv=triton",
+                                    "q_rows=64,fwd_warps=4,dq_warps=4,sub_n=64,forward=triton,dq=triton,dkdv=triton",
+                                    "q_rows=32,sub_n=64,heavy_first=0,forward=triton,dq=triton,dkdv=triton"])
 def test_bf16_launch_settings_match_fp32_reference(config):
     # the Triton kernels at 128 x 128 tiles (where 'auto' would pick Gluon) and their other launch settings (query
     # tiles split over several programs, 4-warp programs, the other launch order): same pairs, same rule, ragged

@@ -328,14 +328,15 @@ def _run_checks() -> dict[str, str]:
             assert torch.equal(a.bwd_idx[valid], b.bwd_idx[valid]), f"{where}: bwd_idx differs"
 
     def gluon_auto_falls_back_to_triton():
-        # KernelConfig(forward/dq='auto') off Hopper (here: CPU): the Triton kernels, bit for bit the results of
-        # forward/dq='triton' (the explicit choice: 'auto' is also the default), and right against the reference
+        # KernelConfig(forward/dq/dkdv='auto') off Hopper (here: CPU): the Triton kernels, bit for bit the results
+        # of forward/dq/dkdv='triton' (the explicit choice: 'auto' is also the default), and right against the
+        # reference
         q, k, v, dout = torch.randn(1, 2, 200, 16), torch.randn(1, 1, 200, 16), torch.randn(1, 1, 200, 16), \
             torch.randn(1, 2, 200, 16)
         pos = torch.arange(200)
         kw = dict(block_m=128, block_n=128)
-        auto = KernelConfig(forward="auto", dq="auto")
-        triton_only = KernelConfig(forward="triton", dq="triton")
+        auto = KernelConfig(forward="auto", dq="auto", dkdv="auto")
+        triton_only = KernelConfig(forward="triton", dq="triton", dkdv="triton")
         out, lse = block_forward(q, k, v, pos, pos, 0.25, config=auto, **kw)
         ref_out, ref_lse = block_forward(q, k, v, pos, pos, 0.25, config=triton_only, **kw)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
