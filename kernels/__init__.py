@@ -4,8 +4,8 @@
   (:class:`TileLists`), on the device with torch ops.
 - :mod:`mtraining_kernels.vertical_slash`: Triton forward/backward, block ops for the ring
   (``block_forward`` / ``block_backward`` / ``TritonBlockOp``), autograd ``vertical_slash_attention``.
-- :mod:`mtraining_kernels.gluon_hopper`: warp-specialised Gluon forward and dq for sm_90, the same pairs;
-  ``block_forward`` / ``block_backward`` use them where they can run (``KernelConfig(forward=, dq=)``).
+- :mod:`mtraining_kernels.gluon_hopper`: warp-specialised Gluon forward, dq and dk/dv for sm_90, the same pairs;
+  ``block_forward`` / ``block_backward`` use them where they can run (``KernelConfig(forward=, dq=, dkdv=)``).
 - :mod:`mtraining_kernels.reference`: dense-masked torch references computing exactly the same pairs.
 
 Importing this package does not import triton; :mod:`.vertical_slash` does.

@@ -25,8 +25,9 @@ into by log-sum-exp, in place.
 Constraints: CUDA sm_90, bf16/fp16, q/k/v contiguous ``[B, H(kv), S, D]`` (copied otherwise), D in {64, 128},
 128 x 128 tiles. Key rows past Sk of a ragged last tile are read from the next head's rows (or TMA zero fill at
 the very end) and masked by position (such tiles are in the masked part of the lists).
-Chosen by ``KernelConfig(forward="auto" | "gluon")``; resources: :func:`compile_report` (works offline, after
-:func:`install_offline_sm90_target`).
+The module also holds the dq and dk/dv kernels built the same way (:func:`gluon_block_dq`,
+:func:`gluon_block_dkdv`). Chosen by ``KernelConfig(forward= / dq= / dkdv="auto" | "gluon")``; resources:
+:func:`compile_report` (works offline, after :func:`install_offline_sm90_target`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ try:  # Gluon is in Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "compile_report", "gather_columns", "gluon_block_forward", "gluon_supported",
-           "install_offline_sm90_target"]
+__all__ = ["HAS_GLUON", "compile_report", "gather_columns", "gluon_block_dkdv", "gluon_block_dq",
+           "gluon_block_forward", "gluon_supported", "install_offline_sm90_target"]
 
 LOG2E = 1.4426950408889634
 ROWS = 64  # query rows per consumer warpgroup

@@ -1,6 +1,6 @@
-"""The Gluon (warp-specialised Hopper) forward and dq kernels, on CPU: the column gather they feed TMA with, the
-dispatch rules of ``KernelConfig.forward`` / ``.dq``, and an offline sm_90 compile of the kernels (no GPU needed:
-Triton's ptxas compiles for a target given by hand). Their numbers on the GPU are checked in
+"""The Gluon (warp-specialised Hopper) forward, dq and dk/dv kernels, on CPU: the column gather they feed TMA
+with, the dispatch rules of ``KernelConfig.forward`` / ``.dq`` / ``.dkdv``, and an offline sm_90 compile of the
+kernels (no GPU needed: Triton's ptxas compiles for a target given by hand). Their numbers on the GPU are checked in
 ``tests/test_kernels_gpu.py``."""
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def test_gluon_where_it_cannot_run_says_why():
     with pytest.raises(ValueError, match="dq='gluon'.*needs an sm_90 GPU"):
         block_backward(q, k, v, q, torch.zeros(B, H, S), q, pos, pos, 0.25, block_m=128, block_n=128,
                        config=KernelConfig(dq="gluon"))
+    with pytest.raises(ValueError, match="dkdv='gluon'.*needs an sm_90 GPU"):
+        block_backward(q, k, v, q, torch.zeros(B, H, S), q, pos, pos, 0.25, block_m=128, block_n=128,
+                       config=KernelConfig(dkdv="gluon"))
 
 
 @needs_gluon
