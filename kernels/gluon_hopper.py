@@ -32,6 +32,8 @@ The module also holds the dq and dk/dv kernels built the same way (:func:`gluon_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -635,12 +637,17 @@ def gluon_supported(q: torch.Tensor, tiles: TileLists | None = None) -> bool:
     return tiles is None or (tiles.block_m == 128 and tiles.block_n == 128)
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, D: int, bf16: bool):
+    # the same few layouts on every launch: building one costs ~7 us of host time (measured on CPU), per descriptor
+    return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if bf16 else gl.float16)
+
+
 def _desc(t: torch.Tensor, rows: int):
     D = t.shape[-1]
     flat = t.reshape(-1, D)
-    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, D],
-                            gl.NVMMASharedLayout.get_default_for([rows, D], dt))
+                            _smem_layout(rows, D, t.dtype == torch.bfloat16))
 
 
 @triton.jit
