@@ -817,6 +817,25 @@ def gluon_block_forward(
     return out, lse
 
 
+def _backward_inputs(which, q, k, v, dout, lse2, delta, q_pos, k_pos, tiles):
+    """The checks and layout both Gluon backward kernels need: bf16/fp16 inputs of one dtype, D 64/128, 128 x 128
+    tiles, dout / lse2 / delta matching q; contiguous tensors, float32 rows, int32 positions on q's device."""
+    B, H, Sq, D = q.shape
+    ok = D in (64, 128) and q.dtype in (torch.bfloat16, torch.float16) and tiles.block_m == tiles.block_n == 128
+    if not ok or k.dtype != q.dtype or v.dtype != q.dtype or dout.dtype != q.dtype:
+        raise ValueError(f"gluon {which}: needs sm_90, bf16/fp16 inputs of one dtype, head dim 64/128 and 128 x 128 "
+                         f"tiles; got {q.device} {q.dtype}/{k.dtype}/{v.dtype}/{dout.dtype}, D={D}, tiles "
+                         f"{tiles.block_m} x {tiles.block_n}")
+    if dout.shape != q.shape or lse2.shape != (B, H, Sq) or delta.shape != (B, H, Sq):
+        raise ValueError(f"gluon {which}: dout {tuple(dout.shape)}, lse2 {tuple(lse2.shape)}, delta "
+                         f"{tuple(delta.shape)} do not match q {tuple(q.shape)}")
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    lse2, delta = lse2.float().contiguous(), delta.float().contiguous()
+    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
+    return q, k, v, dout, lse2, delta, q_pos, k_pos
+
+
 def gluon_block_dq(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -838,20 +857,10 @@ def gluon_block_dq(
     warp-specialised Gluon kernel built like :func:`gluon_block_forward`. ``lse2`` (base-2 lse, +inf where a row
     has no pair) and ``delta`` (rowsum(dout * out)) are the contiguous float32 [B, H, Sq] rows of the backward's
     preprocess pass. Returns dq [B, H, Sq, D] in ``dq_dtype``; one program writes each row (deterministic)."""
+    q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dq", q, k, v, dout, lse2, delta, q_pos, k_pos,
+                                                                tiles)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    ok = D in (64, 128) and q.dtype in (torch.bfloat16, torch.float16) and tiles.block_m == tiles.block_n == 128
-    if not ok or k.dtype != q.dtype or v.dtype != q.dtype or dout.dtype != q.dtype:
-        raise ValueError(f"gluon dq: needs sm_90, bf16/fp16 inputs of one dtype, head dim 64/128 and 128 x 128 "
-                         f"tiles; got {q.device} {q.dtype}/{k.dtype}/{v.dtype}/{dout.dtype}, D={D}, tiles "
-                         f"{tiles.block_m} x {tiles.block_n}")
-    if dout.shape != q.shape or lse2.shape != (B, H, Sq) or delta.shape != (B, H, Sq):
-        raise ValueError(f"dout {tuple(dout.shape)}, lse2 {tuple(lse2.shape)}, delta {tuple(delta.shape)} do not "
-                         f"match q {tuple(q.shape)}")
-    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
-    lse2, delta = lse2.float().contiguous(), delta.float().contiguous()
-    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
-    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
     dq = torch.empty(B, H, Sq, D, dtype=dq_dtype, device=q.device)
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
@@ -867,6 +876,7 @@ def gluon_block_dq(
         return _gl_dq_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _gl_dq_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
     return dq
+
 
 def gluon_block_dkdv(
     q: torch.Tensor,
@@ -892,20 +902,12 @@ def gluon_block_dkdv(
     batch, KV head), the K/V tile resident in shared memory, every query head of the group and every query tile of
     its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
     ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors.
-    First GPU run (branch gluon-dkdv, 2026-12-03): dk and dv of 17 bf16/fp16 checks (dense, patterns with and without
-    columns, GQA, B=2, shifted positions, D 64/128) equal the Triton kernel's errors against a float32 reference to
-    every printed digit, and two runs are bit-identical; not the default until timed (``KernelConfig.dkdv``)."""
+    The default on sm_90 (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md`` kernel
+    run 8."""
+    q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv", q, k, v, dout, lse2, delta, q_pos,
+                                                                k_pos, tiles)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    ok = D in (64, 128) and q.dtype in (torch.bfloat16, torch.float16) and tiles.block_m == tiles.block_n == 128
-    if not ok or k.dtype != q.dtype or v.dtype != q.dtype or dout.dtype != q.dtype:
-        raise ValueError(f"gluon dk/dv: needs bf16/fp16 inputs of one dtype, head dim 64/128 and 128 x 128 tiles; "
-                         f"got {q.dtype}/{k.dtype}/{v.dtype}/{dout.dtype}, D={D}, tiles {tiles.block_m} x "
-                         f"{tiles.block_n}")
-    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
-    lse2, delta = lse2.float().contiguous(), delta.float().contiguous()
-    q_pos = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
-    k_pos = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
     for name, t in (("dk", dk), ("dv", dv)):
         if t is not None and (t.shape != k.shape or not t.is_contiguous()):
             raise ValueError(f"gluon dk/dv: output {name} {tuple(t.shape)} must be contiguous and shaped like k "
@@ -924,6 +926,7 @@ def gluon_block_dkdv(
         return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _gl_dkdv_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
     return dk, dv
+
 
 def install_offline_sm90_target() -> None:
     """Let the JIT compile for sm_90 on a machine without a GPU (``warmup`` only; nothing can be launched after
