@@ -18,6 +18,8 @@ Computed work = (tile pairs x BM x BN + gathered (query tile, column) pairs x BM
 4 * D * pairs forward and x3.5 for forward+backward (DESIGN.md). The fraction reported is that work over the
 causal S^2/2 pairs. FlexAttention "cover" gets a BlockMask (128 x 128) of every tile holding a computed pair,
 full blocks below the diagonal and a causal mask_mod on the diagonal: the best a FlexAttention user can do.
+``--graphs`` also times both fwd+bwd (ours and FlexAttention dense) replayed from a CUDA graph: the GPU time
+with the host's launch cost removed, which is what decides short calls (32K at 2%) in eager mode.
 Index conversion (pattern -> lists) is timed separately: ``idx_ms`` with the Triton list builder (the default on
 CUDA), ``idx_torch_ms`` with the torch builder. Times are medians of triton.testing.do_bench.
 
@@ -156,6 +158,30 @@ def bench(fn, grads, long: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(step, grads, long: bool) -> float:
+    """Median ms of ``step`` (a fwd+bwd) replayed from a CUDA graph: the GPU time with the host's launch cost
+    removed (what ``torch.cuda.graph`` / ``make_graphed_callables`` give a user). Captured with the grads None,
+    after three warm-up calls on a side stream, as torch's CUDA-graph notes prescribe."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for g in grads:
+                g.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for g in grads:
+        g.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ms = bench(graph.replay, None, long)
+    for g in grads:
+        g.grad = None
+    del graph
+    return ms
+
+
 def _parse_block(spec: str) -> tuple[int, int]:
     bm, _, bn = str(spec).partition("x")
     return int(bm), int(bn or bm)
@@ -266,6 +292,9 @@ def main() -> None:
     ap.add_argument("--profile-idx", action="store_true", help="print a torch.profiler table of the index conversion")
     ap.add_argument("--profile-attn", action="store_true",
                     help="print a torch.profiler table (GPU time per kernel) of one forward+backward per row")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time fwd+bwd replayed from a CUDA graph (ours and FlexAttention dense): GPU time "
+                         "without the host's launch cost")
     ap.add_argument("--out", default="kernel_sparse.json")
     args = ap.parse_args()
     configs = [_config(c) for c in args.configs]
@@ -317,12 +346,19 @@ def main() -> None:
                 dense_bm = FlexBlockOp(tile=128).block_mask(pos, pos)
                 base["flex_fb_ms"] = bench(fb(lambda: flex(q, k, v, block_mask=dense_bm, enable_gqa=True)),
                                            [q, k, v], long)
+                if args.graphs:
+                    try:
+                        base["flex_fb_graph_ms"] = graph_ms(
+                            fb(lambda: flex(q, k, v, block_mask=dense_bm, enable_gqa=True)), [q, k, v], long)
+                    except Exception as e:  # noqa: BLE001
+                        base["flex_graph_error"] = repr(e)[:200]
                 del dense_bm
             except Exception as e:  # noqa: BLE001
                 base["flex_error"] = repr(e)[:200]
-        for key in ("sdpa", "flex"):
-            if f"{key}_fb_ms" in base:
-                base[f"{key}_tflops"] = dense_flops * 3.5 / base[f"{key}_fb_ms"] / 1e9
+        for key in ("sdpa", "flex", "flex_fb_graph"):
+            ms_key = key if key.endswith("_graph") else f"{key}_fb"
+            if f"{ms_key}_ms" in base:
+                base[f"{key}_tflops"] = dense_flops * 3.5 / base[f"{ms_key}_ms"] / 1e9
         print(S, base, flush=True)
         for spec in args.block_sizes:
             BM, BN = _parse_block(spec)
@@ -367,8 +403,18 @@ def main() -> None:
                             fb(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0]))()
                         torch.cuda.synchronize()
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+                if args.graphs:
+                    try:
+                        g_ms = graph_ms(fb(lambda: vertical_slash_attention(q, k, v, tiles, config=configs[0])),
+                                        [q, k, v], long)
+                        row.update(vs_fb_graph_ms=g_ms, vs_graph_tflops=4 * D * pairs * 3.5 / g_ms / 1e9)
+                        if "flex_fb_graph_tflops" in base:
+                            row["graph_pct_of_flex_graph"] = 100 * row["vs_graph_tflops"] / base["flex_fb_graph_tflops"]
+                    except Exception as e:  # noqa: BLE001
+                        row["vs_graph_error"] = repr(e)[:200]
                 if "flex_fb_ms" in base:
                     row["speedup_vs_flex_dense"] = base["flex_fb_ms"] / fb_ms
+                    row["pct_of_flex"] = 100 * row["vs_tflops"] / base["flex_tflops"]
                 for spec_c, cfg in zip(args.configs[1:], configs[1:]):  # other launch settings, same pattern
                     try:
                         c_f = bench(lambda: vertical_slash_attention(q, k, v, tiles, config=cfg), None, long)
@@ -400,7 +446,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
     hdr = f"{'S':>7} {'T':>6} {'frac':>6} {'idx ms':>7} {'idx tch':>7} {'vs f':>8} {'vs f+b':>8} {'TF/s':>5} {'flexD':>8} " \
-          f"{'TF/s':>5} {'cover':>8} {'x flexD':>7} {'x cover':>7} {'sdpa':>8}"
+          f"{'TF/s':>5} {'cover':>8} {'x flexD':>7} {'x cover':>7} {'sdpa':>8} {'graph':>7} {'TF/s':>5} {'flexDg':>7} " \
+          f"{'TF/s':>5}"
     print(hdr)
     for r in rows:
         print(f"{r['S']:>7} {r['T']:>6} {r['fraction']:>6.3f} {r['idx_ms']:>7.2f} {r['idx_torch_ms']:>7.2f} "
@@ -408,7 +455,9 @@ def main() -> None:
               f"{r['vs_fb_ms']:>8.2f} {r['vs_tflops']:>5.0f} {r.get('flex_fb_ms', math.nan):>8.1f} "
               f"{r.get('flex_tflops', math.nan):>5.0f} {r.get('flex_cover_fb_ms', math.nan):>8.1f} "
               f"{r.get('speedup_vs_flex_dense', math.nan):>7.1f} {r.get('speedup_vs_flex_cover', math.nan):>7.1f} "
-              f"{r.get('sdpa_fb_ms', math.nan):>8.1f}")
+              f"{r.get('sdpa_fb_ms', math.nan):>8.1f} {r.get('vs_fb_graph_ms', math.nan):>7.2f} "
+              f"{r.get('vs_graph_tflops', math.nan):>5.0f} {r.get('flex_fb_graph_ms', math.nan):>7.2f} "
+              f"{r.get('flex_fb_graph_tflops', math.nan):>5.0f}")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,48 @@ def test_backward_deterministic_50_runs(block):
         assert all(torch.equal(a, b) for a, b in zip(again, first)), "backward differs between runs"
 
 
+@pytest.mark.parametrize("block", [128, 64])
+def test_fwd_bwd_captured_in_a_cuda_graph_equals_eager(block):
+    # short calls are host-bound (benchmarks/RESULTS.md, kernel run 9); a CUDA graph removes the launch cost, so
+    # the default path (Gluon on sm_90 at 128 x 128, Triton at 64 x 64) must be capturable: no host sync, no
+    # allocation outside the graph's pool, no host-side state that a replay would miss. The replay recomputes
+    # the same kernels on the same inputs and the kernels are deterministic, hence bit equality with eager.
+    from mtraining_kernels.indexing import pattern_tile_lists
+    from mtraining_kernels.vertical_slash import vertical_slash_attention
+
+    torch.manual_seed(2)
+    B, H, Hkv, S, D = 1, 8, 2, 8191, 128  # ragged, GQA, gathered columns
+    vi, si = _pattern(B, H, S, 400, [0, 1, 2, 900], seed=5)
+    tiles = pattern_tile_lists(vi, si, S, block, block)
+    q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def step():
+        qg.grad = kg.grad = vg.grad = None
+        out = vertical_slash_attention(qg, kg, vg, tiles)
+        out.backward(dout)
+        return out
+
+    want = [step().detach().clone()] + [t.grad.clone() for t in (qg, kg, vg)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    qg.grad = kg.grad = vg.grad = None
+    with torch.cuda.graph(graph):
+        out = vertical_slash_attention(qg, kg, vg, tiles)
+        out.backward(dout)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out] + [t.grad for t in (qg, kg, vg)]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name} replayed from a CUDA graph differs from eager"
+
+
 @pytest.mark.parametrize("S,block", [(131072, 128), (131071, (128, 64)), (65536, 64)])
 def test_triton_list_builder_matches_torch_builder(S, block):
     # integer lists: exact equality of every valid entry, count and column bit at real sizes (16 heads, ~1000
