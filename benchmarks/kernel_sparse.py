@@ -355,10 +355,10 @@ def main() -> None:
                 del dense_bm
             except Exception as e:  # noqa: BLE001
                 base["flex_error"] = repr(e)[:200]
-        for key in ("sdpa", "flex", "flex_fb_graph"):
-            ms_key = key if key.endswith("_graph") else f"{key}_fb"
-            if f"{ms_key}_ms" in base:
-                base[f"{key}_tflops"] = dense_flops * 3.5 / base[f"{ms_key}_ms"] / 1e9
+        for tf_key, ms_key in (("sdpa_tflops", "sdpa_fb_ms"), ("flex_tflops", "flex_fb_ms"),
+                               ("flex_fb_graph_tflops", "flex_fb_graph_ms")):
+            if ms_key in base:
+                base[tf_key] = dense_flops * 3.5 / base[ms_key] / 1e9
         print(S, base, flush=True)
         for spec in args.block_sizes:
             BM, BN = _parse_block(spec)
