@@ -69,9 +69,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs,
-                  q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS, KPos, CPos, ColBits,
-                  Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_COLS: gl.constexpr,
+                  q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos, CPos,
+                  ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh,
+                  sbm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_COLS: gl.constexpr,
                   QBUF: gl.constexpr, WITH_DO: gl.constexpr):
         """TMA loads of Q (and dO: ``WITH_DO``, the dq kernel) into ``QBUF`` buffers and of each step's K/V; for a
         masked step, the keys' positions with unselected gathered columns replaced by a never-visible position (so
@@ -109,19 +109,23 @@ if HAS_GLUON:
                 n_steps = cnt + gl.load(NCS + pid_bh * n_q + pid_m)
             for j in range(n_steps):
                 st = it % STAGES
-                mbarrier.wait(kv_empty.index(st), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                if j < cnt:  # a key tile of the list
-                    row = row_k + gl.load(f_base + j) * BLOCK_N
-                    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
-                    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
-                else:  # BLOCK_N gathered columns (pre-gathered rows of this head)
+                ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
+                is_tile = j < cnt  # a key tile of the list, else BLOCK_N gathered columns (pre-gathered rows)
+                t_idx = gl.load(f_base + j, mask=is_tile, other=0)  # loaded before the wait: off the critical path
+                if is_tile:
+                    row = row_k + t_idx * BLOCK_N
+                else:
                     row = row_c + (j - cnt) * BLOCK_N
+                # K and V have their own "empty" barriers: the consumers free K (and the step's positions) as soon
+                # as the step's scores are computed, V only after P V, so the next K load starts a step earlier
+                mbarrier.wait(k_empty.index(st), ph)
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                if is_tile:
+                    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
+                else:
                     tma.async_copy_global_to_shared(ck_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
-                    tma.async_copy_global_to_shared(cv_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
                 if j < nmask:
-                    o = gl.load(f_base + j) * BLOCK_N + offs_n
+                    o = t_idx * BLOCK_N + offs_n
                     kpos_bufs.index(st).store(gl.load(KPos + o, mask=o < Sk, other=POS_MAX))
                 if HAS_COLS:
                     if j >= cnt:
@@ -132,6 +136,12 @@ if HAS_GLUON:
                         sel = ((word >> (offs_n % 64).to(gl.int64)) & 1) != 0
                         kpos_bufs.index(st).store(gl.where(sel, kp, POS_MAX))
                 mbarrier.arrive(pos_ready.index(st), count=1)  # every step, so the phases count steps
+                mbarrier.wait(v_empty.index(st), ph)
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                if is_tile:
+                    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
+                else:
+                    tma.async_copy_global_to_shared(cv_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
                 it += 1
             t += 1
 
@@ -169,8 +179,8 @@ if HAS_GLUON:
         return cnt, nmask, ncs, q_pos
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
-                  Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+    def _consumer(q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
+                  v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                   sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
                   HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr):
@@ -213,6 +223,7 @@ if HAS_GLUON:
                 if (nmask > 0) | (cnt == 0):
                     mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
                     s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                mbarrier.arrive(k_empty.index(st), count=1)  # K_0 and its positions read: the producer may refill
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 for j in range(1, n_steps):
                     prev = st
@@ -229,15 +240,16 @@ if HAS_GLUON:
                     if (j < nmask) | (j >= cnt):
                         mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
                         s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                    mbarrier.arrive(k_empty.index(st), count=1)  # K_j done with: its buffer refills during softmax
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                     o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    mbarrier.arrive(v_empty.index(prev), count=1)
                     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 # last PV
                 mbarrier.wait(v_ready.index(st), (it // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
                 o = warpgroup_mma(p_op, v_bufs.index(st), o)
-                mbarrier.arrive(kv_empty.index(st), count=1)
+                mbarrier.arrive(v_empty.index(st), count=1)
                 it += 1
             mbarrier.arrive(q_empty.index(qb), count=1)
 
@@ -286,7 +298,8 @@ if HAS_GLUON:
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(2):
@@ -295,20 +308,21 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
             mbarrier.init(pos_ready.index(i), count=1)
         # (the argument tuples are written out: a tuple built by concatenation loses its constexprs in Gluon 3.6)
         gl.warp_specialize([
             (_producer, (q_desc, q_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, q_bufs, k_bufs, v_bufs, kpos_bufs,
-                         q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS, KPos, CPos,
-                         ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm,
-                         sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False))),
-            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
-                         Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+                         q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos,
+                         CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh,
+                         snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False))),
+            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
+                         v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
                          gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty,
-                         Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
+            (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
+                         v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
                          gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
@@ -330,9 +344,10 @@ if HAS_GLUON:
         return cnt, nmask, ncs, q_pos, lse2, delta
 
     @gluon.jit
-    def _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, st, ph, masked, q_pos,
-                   lse2_b, delta_b, zero_s, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr):
-        """dS of one step, synchronously (the first step of a work item): P (dP - delta) as the A operand."""
+    def _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, v_empty, st, ph, masked,
+                   q_pos, lse2_b, delta_b, zero_s, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """dS of one step, synchronously (the first step of a work item): P (dP - delta) as the A operand; frees
+        the step's V (K stays: dq += dS K reads it next)."""
         mbarrier.wait(k_ready.index(st), ph)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(st), ph)
@@ -343,11 +358,12 @@ if HAS_GLUON:
             s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
         p = gl.exp2(s * qk_scale - lse2_b)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        mbarrier.arrive(v_empty.index(st), count=1)
         return gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
 
     @gluon.jit
     def _dq_consumer(q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
-                     kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
+                     k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
                      scb, sch, scm, snb, snh, snm,
                      HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr):
@@ -382,8 +398,8 @@ if HAS_GLUON:
             delta_b = gl.expand_dims(delta, 1)
             if n_steps > 0:
                 st = it % STAGES
-                ds_op = _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, st,
-                                   (it // STAGES) & 1, (nmask > 0) | (cnt == 0), q_pos, lse2_b, delta_b, zero_s,
+                ds_op = _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, v_empty,
+                                   st, (it // STAGES) & 1, (nmask > 0) | (cnt == 0), q_pos, lse2_b, delta_b, zero_s,
                                    qk_scale, s_layout, a_layout)
                 for j in range(1, n_steps):
                     prev = st
@@ -399,16 +415,17 @@ if HAS_GLUON:
                     dp_tok = warpgroup_mma(do_smem, v_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
                                            is_async=True)
                     dq, ds_op, s = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ds_op, s_tok))
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    mbarrier.arrive(k_empty.index(prev), count=1)  # K_{j-1}: its last reader, dq += dS K, is done
                     if (j < nmask) | (j >= cnt):
                         mbarrier.wait(pos_ready.index(st), ph)
                         s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
                     p = gl.exp2(s * qk_scale - lse2_b)
                     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+                    mbarrier.arrive(v_empty.index(st), count=1)  # V_j: dP_j was its only reader
                     ds_op = gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
                 mbarrier.arrive(q_empty.index(qb), count=1)  # Q and dO no longer read
                 dq = warpgroup_mma(ds_op, k_bufs.index(st), dq)
-                mbarrier.arrive(kv_empty.index(st), count=1)
+                mbarrier.arrive(k_empty.index(st), count=1)
                 it += 1
             else:
                 mbarrier.arrive(q_empty.index(qb), count=1)
@@ -436,7 +453,8 @@ if HAS_GLUON:
         q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(QBUF):
@@ -445,20 +463,21 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
             mbarrier.init(pos_ready.index(i), count=1)
         gl.warp_specialize([
             (_producer, (q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                         kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, kv_empty, FIdx, FCnt, FNm, NCS,
-                         KPos, CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm,
+                         kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm,
+                         NCS, KPos, CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm,
                          snb, snh, snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, QBUF, gl.constexpr(True))),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
-                            kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
-                            scb, sch, scm, snb, snh, snm, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
+                            total, scb, sch, scm, snb, snh, snm, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                             HAS_COLS, QBUF)),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
-                            kv_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
-                            scb, sch, scm, snb, snh, snm, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                            k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
+                            total, scb, sch, scm, snb, snh, snm, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                             HAS_COLS, QBUF)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
