@@ -7,10 +7,12 @@ load-Q / first-tile / store chain is serial with the next program's on the SM. T
 - one program per SM (persistent), walking the (query tile, batch * head) work items heaviest first;
 - a producer partition (the default warpgroup, 24 registers per thread) issues TMA loads of the next work items'
   Q (two buffers), of the key tiles of ``tiles.fwd_idx`` and then of the query tile's gathered-column chunks
-  (K and V rings of ``STAGES`` buffers, one mbarrier per buffer and direction), so loads run ahead of the math
-  across work items; for every masked step it also writes the step's key positions into shared memory (a
-  gathered column the query tile did not select gets a position no query sees), so the consumers mask by one
-  compare;
+  (a K ring of ``K_STAGES`` and a V ring of ``STAGES`` buffers, one "ready" and one "empty" mbarrier per buffer),
+  so loads run ahead of the math across work items; for every masked step it also writes the step's key
+  positions into shared memory (a gathered column the query tile did not select gets a position no query sees),
+  so the consumers mask by one compare. The consumers free a K buffer (and its positions) as soon as the step's
+  scores are computed, and a V buffer after P V: with one barrier for both, the next load into a buffer waited
+  for P V and the consumers then waited for K on every step (10-12% of the forward at 128K; kernel run 10);
 - two consumer partitions (warpgroups, 240 registers per thread), each owning 64 of the 128 query rows, share
   the K/V buffers; within a consumer, the QK^T of step j is issued before step j-1's PV has finished
   (``warpgroup_mma`` is asynchronous): the softmax of step j runs while the tensor cores do PV of step j-1.
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
+from mtraining_kernels.launch import Launcher
 
 try:  # Gluon is in Triton >= 3.4
     from triton.experimental import gluon
@@ -72,7 +75,7 @@ if HAS_GLUON:
                   q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos, CPos,
                   ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh,
                   sbm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_COLS: gl.constexpr,
-                  QBUF: gl.constexpr, WITH_DO: gl.constexpr):
+                  QBUF: gl.constexpr, WITH_DO: gl.constexpr, K_STAGES: gl.constexpr):
         """TMA loads of Q (and dO: ``WITH_DO``, the dq kernel) into ``QBUF`` buffers and of each step's K/V; for a
         masked step, the keys' positions with unselected gathered columns replaced by a never-visible position (so
         a consumer's mask is one compare), in shared memory."""
@@ -108,8 +111,10 @@ if HAS_GLUON:
             if HAS_COLS:
                 n_steps = cnt + gl.load(NCS + pid_bh * n_q + pid_m)
             for j in range(n_steps):
-                st = it % STAGES
-                ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
+                ks = it % K_STAGES  # K (and its positions) and V rings: see the consumers
+                kph = ((it // K_STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
+                vs = it % STAGES
+                vph = ((it // STAGES) & 1) ^ 1
                 is_tile = j < cnt  # a key tile of the list, else BLOCK_N gathered columns (pre-gathered rows)
                 t_idx = gl.load(f_base + j, mask=is_tile, other=0)  # loaded before the wait: off the critical path
                 if is_tile:
@@ -118,15 +123,15 @@ if HAS_GLUON:
                     row = row_c + (j - cnt) * BLOCK_N
                 # K and V have their own "empty" barriers: the consumers free K (and the step's positions) as soon
                 # as the step's scores are computed, V only after P V, so the next K load starts a step earlier
-                mbarrier.wait(k_empty.index(st), ph)
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                mbarrier.wait(k_empty.index(ks), kph)
+                mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
                 if is_tile:
-                    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
+                    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(ks), k_bufs.index(ks))
                 else:
-                    tma.async_copy_global_to_shared(ck_desc, [row, 0], k_ready.index(st), k_bufs.index(st))
+                    tma.async_copy_global_to_shared(ck_desc, [row, 0], k_ready.index(ks), k_bufs.index(ks))
                 if j < nmask:
                     o = t_idx * BLOCK_N + offs_n
-                    kpos_bufs.index(st).store(gl.load(KPos + o, mask=o < Sk, other=POS_MAX))
+                    kpos_bufs.index(ks).store(gl.load(KPos + o, mask=o < Sk, other=POS_MAX))
                 if HAS_COLS:
                     if j >= cnt:
                         c = j - cnt
@@ -134,14 +139,14 @@ if HAS_GLUON:
                         wi = c * (BLOCK_N // 64) + offs_n // 64
                         word = gl.load(bits_row + wi, mask=wi < J, other=0)
                         sel = ((word >> (offs_n % 64).to(gl.int64)) & 1) != 0
-                        kpos_bufs.index(st).store(gl.where(sel, kp, POS_MAX))
-                mbarrier.arrive(pos_ready.index(st), count=1)  # every step, so the phases count steps
-                mbarrier.wait(v_empty.index(st), ph)
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                        kpos_bufs.index(ks).store(gl.where(sel, kp, POS_MAX))
+                mbarrier.arrive(pos_ready.index(ks), count=1)  # every step, so the phases count steps
+                mbarrier.wait(v_empty.index(vs), vph)
+                mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
                 if is_tile:
-                    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
+                    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(vs), v_bufs.index(vs))
                 else:
-                    tma.async_copy_global_to_shared(cv_desc, [row, 0], v_ready.index(st), v_bufs.index(st))
+                    tma.async_copy_global_to_shared(cv_desc, [row, 0], v_ready.index(vs), v_bufs.index(vs))
                 it += 1
             t += 1
 
@@ -183,7 +188,7 @@ if HAS_GLUON:
                   v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                   sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
                   HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr):
+                  STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr, K_STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -216,40 +221,44 @@ if HAS_GLUON:
             m_i = gl.full([BLOCK_M // 2], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BLOCK_M // 2], gl.float32, row_s)
             if n_steps > 0:
-                # step 0: S_0 = Q K_0^T, softmax
-                st = it % STAGES
-                mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
-                s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False)
+                # step 0: S_0 = Q K_0^T, softmax. K (with its positions) and V ride rings of K_STAGES and STAGES
+                # buffers: ks / vs index them, kph / vph are the phases
+                ks = it % K_STAGES
+                kph = (it // K_STAGES) & 1
+                mbarrier.wait(k_ready.index(ks), kph)
+                s = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False)
                 if (nmask > 0) | (cnt == 0):
-                    mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
-                    s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
-                mbarrier.arrive(k_empty.index(st), count=1)  # K_0 and its positions read: the producer may refill
+                    mbarrier.wait(pos_ready.index(ks), kph)
+                    s = _apply_mask(s, kpos_bufs.index(ks), q_pos, s_layout)
+                mbarrier.arrive(k_empty.index(ks), count=1)  # K_0 and its positions read: the producer may refill
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 for j in range(1, n_steps):
-                    prev = st
+                    prev = it % STAGES
                     prev_ph = (it // STAGES) & 1
                     it += 1
-                    st = it % STAGES
-                    mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
-                    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                    ks = it % K_STAGES
+                    kph = (it // K_STAGES) & 1
+                    mbarrier.wait(k_ready.index(ks), kph)
+                    s_tok = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
                     mbarrier.wait(v_ready.index(prev), prev_ph)
                     p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
                     o_tok = warpgroup_mma(p_op, v_bufs.index(prev), o, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done, PV_{j-1} in flight
                     if (j < nmask) | (j >= cnt):
-                        mbarrier.wait(pos_ready.index(st), (it // STAGES) & 1)
-                        s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
-                    mbarrier.arrive(k_empty.index(st), count=1)  # K_j done with: its buffer refills during softmax
+                        mbarrier.wait(pos_ready.index(ks), kph)
+                        s = _apply_mask(s, kpos_bufs.index(ks), q_pos, s_layout)
+                    mbarrier.arrive(k_empty.index(ks), count=1)  # K_j done with: its buffer refills during softmax
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                     o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 # last PV
-                mbarrier.wait(v_ready.index(st), (it // STAGES) & 1)
+                vs = it % STAGES
+                mbarrier.wait(v_ready.index(vs), (it // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-                o = warpgroup_mma(p_op, v_bufs.index(st), o)
-                mbarrier.arrive(v_empty.index(st), count=1)
+                o = warpgroup_mma(p_op, v_bufs.index(vs), o)
+                mbarrier.arrive(v_empty.index(vs), count=1)
                 it += 1
             mbarrier.arrive(q_empty.index(qb), count=1)
 
@@ -290,41 +299,44 @@ if HAS_GLUON:
                        sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        pos_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        kpos_bufs = gl.allocate_shared_memory(gl.int32, [K_STAGES, BLOCK_N],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
             mbarrier.init(pos_ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         # (the argument tuples are written out: a tuple built by concatenation loses its constexprs in Gluon 3.6)
         gl.warp_specialize([
             (_producer, (q_desc, q_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, q_bufs, k_bufs, v_bufs, kpos_bufs,
                          q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos,
                          CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh,
-                         snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False))),
+                         snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False),
+                         K_STAGES)),
             (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
                          v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
-                         gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
+                         gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES)),
             (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
                          v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
-                         gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS)),
+                         gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -344,21 +356,22 @@ if HAS_GLUON:
         return cnt, nmask, ncs, q_pos, lse2, delta
 
     @gluon.jit
-    def _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, v_empty, st, ph, masked,
-                   q_pos, lse2_b, delta_b, zero_s, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr):
+    def _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, v_empty, ks, kph, vs,
+                   vph, masked, q_pos, lse2_b, delta_b, zero_s, qk_scale, s_layout: gl.constexpr,
+                   a_layout: gl.constexpr):
         """dS of one step, synchronously (the first step of a work item): P (dP - delta) as the A operand; frees
         the step's V (K stays: dq += dS K reads it next)."""
-        mbarrier.wait(k_ready.index(st), ph)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(st), ph)
-        dp_tok = warpgroup_mma(do_smem, v_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(k_ready.index(ks), kph)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(vs), vph)
+        dp_tok = warpgroup_mma(do_smem, v_bufs.index(vs).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         if masked:
-            mbarrier.wait(pos_ready.index(st), ph)
-            s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+            mbarrier.wait(pos_ready.index(ks), kph)
+            s = _apply_mask(s, kpos_bufs.index(ks), q_pos, s_layout)
         p = gl.exp2(s * qk_scale - lse2_b)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
-        mbarrier.arrive(v_empty.index(st), count=1)
+        mbarrier.arrive(v_empty.index(vs), count=1)
         return gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
 
     @gluon.jit
@@ -366,7 +379,7 @@ if HAS_GLUON:
                      k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
                      scb, sch, scm, snb, snh, snm,
                      HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr):
+                     STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr, K_STAGES: gl.constexpr):
         """dq of 64 query rows: per step S = Q K^T and dP = dO V^T (issued together), dS = P (dP - delta),
         dq += dS K, the last one left in flight while the next step's S and dP are issued."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -397,35 +410,37 @@ if HAS_GLUON:
             lse2_b = gl.expand_dims(lse2, 1)
             delta_b = gl.expand_dims(delta, 1)
             if n_steps > 0:
-                st = it % STAGES
+                ks = it % K_STAGES  # K (with its positions) and V rings, as in the forward
                 ds_op = _dq_scores(q_smem, do_smem, k_bufs, v_bufs, kpos_bufs, k_ready, v_ready, pos_ready, v_empty,
-                                   st, (it // STAGES) & 1, (nmask > 0) | (cnt == 0), q_pos, lse2_b, delta_b, zero_s,
-                                   qk_scale, s_layout, a_layout)
+                                   ks, (it // K_STAGES) & 1, it % STAGES, (it // STAGES) & 1,
+                                   (nmask > 0) | (cnt == 0), q_pos, lse2_b, delta_b, zero_s, qk_scale, s_layout,
+                                   a_layout)
                 for j in range(1, n_steps):
-                    prev = st
+                    prev = ks
                     it += 1
-                    st = it % STAGES
-                    ph = (it // STAGES) & 1
+                    ks = it % K_STAGES
+                    kph = (it // K_STAGES) & 1
+                    vs = it % STAGES
                     # dq += dS_{j-1} K_{j-1} runs on the tensor cores while S_j and dP_j are issued behind it
                     dq_tok = warpgroup_mma(ds_op, k_bufs.index(prev), dq, is_async=True)
-                    mbarrier.wait(k_ready.index(st), ph)
-                    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                    mbarrier.wait(k_ready.index(ks), kph)
+                    s_tok = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
-                    mbarrier.wait(v_ready.index(st), ph)
-                    dp_tok = warpgroup_mma(do_smem, v_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                    mbarrier.wait(v_ready.index(vs), (it // STAGES) & 1)
+                    dp_tok = warpgroup_mma(do_smem, v_bufs.index(vs).permute((1, 0)), zero_s, use_acc=False,
                                            is_async=True)
                     dq, ds_op, s = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ds_op, s_tok))
                     mbarrier.arrive(k_empty.index(prev), count=1)  # K_{j-1}: its last reader, dq += dS K, is done
                     if (j < nmask) | (j >= cnt):
-                        mbarrier.wait(pos_ready.index(st), ph)
-                        s = _apply_mask(s, kpos_bufs.index(st), q_pos, s_layout)
+                        mbarrier.wait(pos_ready.index(ks), kph)
+                        s = _apply_mask(s, kpos_bufs.index(ks), q_pos, s_layout)
                     p = gl.exp2(s * qk_scale - lse2_b)
                     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
-                    mbarrier.arrive(v_empty.index(st), count=1)  # V_j: dP_j was its only reader
+                    mbarrier.arrive(v_empty.index(vs), count=1)  # V_j: dP_j was its only reader
                     ds_op = gl.convert_layout((p * (dp - delta_b)).to(k_bufs.dtype), a_layout)
                 mbarrier.arrive(q_empty.index(qb), count=1)  # Q and dO no longer read
-                dq = warpgroup_mma(ds_op, k_bufs.index(st), dq)
-                mbarrier.arrive(k_empty.index(st), count=1)
+                dq = warpgroup_mma(ds_op, k_bufs.index(ks), dq)
+                mbarrier.arrive(k_empty.index(ks), count=1)
                 it += 1
             else:
                 mbarrier.arrive(q_empty.index(qb), count=1)
@@ -444,41 +459,44 @@ if HAS_GLUON:
                       sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * QBUF] + do_desc.block_type.shape, do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        pos_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kpos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        pos_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        kpos_bufs = gl.allocate_shared_memory(gl.int32, [K_STAGES, BLOCK_N],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(QBUF):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
             mbarrier.init(pos_ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize([
             (_producer, (q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                          kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm,
                          NCS, KPos, CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm,
-                         snb, snh, snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, QBUF, gl.constexpr(True))),
+                         snb, snh, snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, QBUF, gl.constexpr(True),
+                         K_STAGES)),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
                             k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
                             total, scb, sch, scm, snb, snh, snm, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            HAS_COLS, QBUF)),
+                            HAS_COLS, QBUF, K_STAGES)),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
                             k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
                             total, scb, sch, scm, snb, snh, snm, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            HAS_COLS, QBUF)),
+                            HAS_COLS, QBUF, K_STAGES)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
@@ -662,11 +680,27 @@ def _smem_layout(rows: int, D: int, bf16: bool):
     return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if bf16 else gl.float16)
 
 
-def _desc(t: torch.Tensor, rows: int):
+def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | None = None):
+    """A host TMA descriptor of the contiguous ``t`` seen as ``[-1, D]`` rows, loaded ``rows`` at a time.
+
+    Built without the dataclass's ``__post_init__`` checks (~8 us of host time per descriptor, ~15 descriptors per
+    fwd+bwd): what they check holds by construction here (contiguous bf16/fp16 rows of a power-of-two D >= 64, so
+    16-byte strides, an NVMMA layout, a valid block) except the base address, checked below. With a ``cache`` (one
+    dict per forward+backward), the descriptor of tensor ``name`` is built once and reused."""
     D = t.shape[-1]
-    flat = t.reshape(-1, D)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, D],
-                            _smem_layout(rows, D, t.dtype == torch.bfloat16))
+    if cache is not None:
+        hit = cache.get((name, rows))
+        if hit is not None and hit.base.data_ptr() == t.data_ptr() and hit.shape[0] * D == t.numel():
+            return hit
+    flat = t.view(-1, D)
+    if flat.data_ptr() % 16:
+        raise ValueError(f"gluon kernels: {name or 'a tensor'} is not 16-byte aligned (address {flat.data_ptr()})")
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = flat, [flat.shape[0], D], [D, 1]
+    desc.block_shape, desc.layout, desc.padding = [rows, D], _smem_layout(rows, D, t.dtype == torch.bfloat16), "zero"
+    if cache is not None:
+        cache[(name, rows)] = desc
+    return desc
 
 
 @triton.jit
@@ -705,6 +739,11 @@ def _gather_columns_kernel(K, V, KPos, CI, Bits, KC, VC, CPos, Steps, H, G, NC, 
                  mask=offs_m < Mq)
 
 
+_LAUNCH_GATHER = Launcher(_gather_columns_kernel)
+if HAS_GLUON:
+    _LAUNCH_FWD, _LAUNCH_DQ, _LAUNCH_DKDV = (Launcher(f) for f in (_gl_fwd_kernel, _gl_dq_kernel, _gl_dkdv_kernel))
+
+
 def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
                    block: int = 128, use_kernel: bool | None = None):
     """The gathered key columns of every query head as dense rows, for TMA: (K_c, V_c [B, H, NCp, D], positions
@@ -734,12 +773,10 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
         steps = torch.empty(B, H, Mq, dtype=torch.int32, device=k.device)
         BLOCK_C, BLOCK_R = 32, 32
         grid = (triton.cdiv(NCp, BLOCK_C) + triton.cdiv(Mq, BLOCK_R), B * H)
-        _gather_columns_kernel[grid](
-            k, v, k_pos, ci, bits, kc, vc, cpos, steps, H, H // Hkv, NC, NCp, Mq, J,
-            *_bstrides(k), *_bstrides(v), *_bstrides(ci), *_bstrides(bits),
-            HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(max(J, 1)),
-            WORDS_PER_STEP=block // COL_CHUNK, num_warps=4,
-        )
+        _LAUNCH_GATHER(grid, (k, v, k_pos, ci, bits, kc, vc, cpos, steps, H, H // Hkv, NC, NCp, Mq, J,
+                              *_bstrides(k), *_bstrides(v), *_bstrides(ci), *_bstrides(bits)),
+                       dict(HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(max(J, 1)),
+                            WORDS_PER_STEP=block // COL_CHUNK, num_warps=4))
         return kc, vc, cpos, steps
     ci = ci.long().expand(B, H, -1)
     bi = torch.arange(B, device=k.device)[:, None, None]
@@ -762,17 +799,28 @@ def _num_sms(q: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
 
 
-def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int):
-    """What both kernels take for the key side: K/V descriptors, and the gathered columns (descriptors, positions,
-    steps per query tile, bit words, padded count NCp, words J, bit strides; placeholders when there are none)."""
-    kd, vd = _desc(k, 128), _desc(v, 128)
+def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
+                   cache: dict | None = None):
+    """What the forward and dq kernels take for the key side: K/V descriptors, and the gathered columns
+    (descriptors, positions, steps per query tile, bit words, padded count NCp, words J, bit strides; placeholders
+    when there are none). With a ``cache`` (one dict per forward+backward of the same k, v, positions and lists) it
+    is built once: the dq kernel reuses the forward's gathered columns (kept alive until the backward: 2 * B * H *
+    NCp * D elements, e.g. 9.4 MB per layer at 128K with ~1100 columns and 16 heads)."""
+    if cache is not None and "key_side" in cache:
+        return cache["key_side"]
+    kd, vd = _desc(k, 128, cache, "k"), _desc(v, 128, cache, "v")
     has_cols = tiles.col_idx is not None and tiles.col_bits.shape[-1] > 0
     if not has_cols:
         fc = tiles.fwd_cnt
-        return kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
-    kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
-    bits = tiles.col_bits
-    return kd, vd, _desc(kc, 128), _desc(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1], _bstrides(bits), True
+        res = kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
+    else:
+        kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
+        bits = tiles.col_bits
+        res = (kd, vd, _desc(kc, 128), _desc(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1],
+               _bstrides(bits), True)
+    if cache is not None:
+        cache["key_side"] = res
+    return res
 
 
 def gluon_block_forward(
@@ -786,14 +834,19 @@ def gluon_block_forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     stages: int = 2,
+    k_stages: int = 2,
     consumer_regs: int = 240,
     programs: int | None = None,
     warmup_only: bool = False,
+    cache: dict | None = None,
 ):
     """The forward of :func:`mtraining_kernels.vertical_slash.block_forward` (same arguments and results; 128 x 128
     tiles) by the warp-specialised Gluon kernel. Gathered columns are first copied into dense per-head rows
     (:func:`gather_columns`) so that TMA can load them like key tiles. ``programs``: persistent programs (default:
-    one per SM). ``warmup_only`` compiles without launching and returns the compiled kernel."""
+    one per SM). ``warmup_only`` compiles without launching and returns the compiled kernel. ``cache``: a dict
+    shared with the backward of the same call (:func:`gluon_block_dq`, :func:`gluon_block_dkdv`), which then
+    reuses the gathered columns and the TMA descriptors built here. ``k_stages``: depth of the K ring (2 or 3;
+    V's is ``stages``)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if k.shape != (B, Hkv, Sk, D) or v.shape != k.shape or H % Hkv:
@@ -822,17 +875,17 @@ def gluon_block_forward(
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
     grid = (max(1, min(programs or _num_sms(q), total)),)
-    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H, cache)
     fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
-    qd = _desc(q, ROWS)
+    qd = _desc(q, ROWS, cache, "q")
     args = (qd, kd, vd, ckd, cvd, out, lse, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E, Sq, Sk, H,
             H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *_bstrides(fi), *_bstrides(fc),
             *_bstrides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_PREV=has_prev, HAS_COLS=has_cols,
-                CONSUMER_REGS=consumer_regs)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages)
     if warmup_only:
         return _gl_fwd_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
-    _gl_fwd_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    _LAUNCH_FWD(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
     return out, lse
 
 
@@ -868,14 +921,17 @@ def gluon_block_dq(
     tiles: TileLists,
     dq_dtype: torch.dtype = torch.float32,
     stages: int = 2,
+    k_stages: int = 2,
     consumer_regs: int = 240,
     programs: int | None = None,
     warmup_only: bool = False,
+    cache: dict | None = None,
 ):
     """dq of :func:`mtraining_kernels.vertical_slash.block_backward` (same pairs, 128 x 128 tiles) by a
-    warp-specialised Gluon kernel built like :func:`gluon_block_forward`. ``lse2`` (base-2 lse, +inf where a row
-    has no pair) and ``delta`` (rowsum(dout * out)) are the contiguous float32 [B, H, Sq] rows of the backward's
-    preprocess pass. Returns dq [B, H, Sq, D] in ``dq_dtype``; one program writes each row (deterministic)."""
+    warp-specialised Gluon kernel built like :func:`gluon_block_forward` (``cache``, ``k_stages``: as there).
+    ``lse2`` (base-2 lse, +inf where a row has no pair) and ``delta`` (rowsum(dout * out)) are the contiguous float32
+    [B, H, Sq] rows of the backward's preprocess pass. Returns dq [B, H, Sq, D] in ``dq_dtype``; one program writes
+    each row (deterministic)."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dq", q, k, v, dout, lse2, delta, q_pos, k_pos,
                                                                 tiles)
     B, H, Sq, D = q.shape
@@ -884,16 +940,16 @@ def gluon_block_dq(
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
     grid = (max(1, min(programs or _num_sms(q), total)),)
-    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H, cache)
     fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
-    qd, dod = _desc(q, ROWS), _desc(dout, ROWS)
+    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
     args = (qd, dod, kd, vd, ckd, cvd, dq, lse2, delta, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E,
             scale, Sq, Sk, H, H // Hkv, n_q, total, NCp, J, *_bstrides(fi), *_bstrides(fc), *_bstrides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_COLS=has_cols, QBUF=1 if D > 64 else 2,
-                CONSUMER_REGS=consumer_regs)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages)
     if warmup_only:
         return _gl_dq_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
-    _gl_dq_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    _LAUNCH_DQ(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
     return dq
 
 
@@ -915,12 +971,14 @@ def gluon_block_dkdv(
     consumer_regs: int = 240,
     programs: int | None = None,
     warmup_only: bool = False,
+    cache: dict | None = None,
 ):
     """dk, dv of the key TILES of :func:`mtraining_kernels.vertical_slash.block_backward` (the gathered columns'
     share stays with the Triton column kernel), by a warp-specialised Gluon kernel: one work item per (key tile,
     batch, KV head), the K/V tile resident in shared memory, every query head of the group and every query tile of
     its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
-    ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors.
+    ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors. ``cache``:
+    as in :func:`gluon_block_forward` (the Q and dO descriptors of the dq kernel are reused).
     The default on sm_90 (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md`` kernel
     run 8."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv", q, k, v, dout, lse2, delta, q_pos,
@@ -936,14 +994,15 @@ def gluon_block_dkdv(
     n_k = triton.cdiv(Sk, 128)
     total = n_k * B * Hkv
     grid = (max(1, min(programs or _num_sms(q), total)),)
-    qd, dod, kd, vd = _desc(q, ROWS), _desc(dout, ROWS), _desc(k, 64), _desc(v, 64)
+    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
+    kd, vd = _desc(k, 64, cache, "k"), _desc(v, 64, cache, "v")
     bi, bc, bn = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_nmask
     args = (qd, dod, kd, vd, dk, dv, q_pos, k_pos, lse2, delta, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv,
             H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn))
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs)
     if warmup_only:
         return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
-    _gl_dkdv_kernel[grid](*args, **meta, num_warps=NUM_WARPS_DEFAULT)
+    _LAUNCH_DKDV(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
     return dk, dv
 
 

@@ -23,9 +23,11 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   rows at a time in one flat loop; it owns its rows of dk/dv, so it writes them once.
   dk/dv of gathered columns: one program per (``KernelConfig.col_block`` = 128 column slots, batch * query head,
   part p): the query tiles from the first to the last with a bit set in those slots, split evenly over the P
-  parts; it writes partials [P, G, B, Hkv, NC, D] that are summed over the parts in a fixed order and added into
-  float32 dk/dv by ``index_add_`` once per query head of a group (a head's columns are unique, padding slots add
-  exact zeros), which is order-independent.
+  parts; it writes partials [P, G, B, Hkv, NC, D], summed over the parts (one torch sum, fixed order), and one
+  epilogue launch (``_dkdv_cols_epilogue_kernel``: one program per 32 key rows of a KV head) adds them into float32
+  dk/dv in a fixed order (the query heads of the group; a head's columns are unique, padding slots add exact zeros)
+  and casts the result. Those two launches replaced ~16 torch ops (index arithmetic, one ``index_add_`` per query
+  head, a cast) whose host time showed at 32K (kernel run 10).
   Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 6): dq accumulated inside the
   dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per tile pair instead of 7) was 2-16%
   slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower (spills); 64-slot column dk/dv
@@ -60,6 +62,7 @@ import triton
 import triton.language as tl
 
 from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
+from mtraining_kernels.launch import Launcher
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -282,6 +285,10 @@ class KernelConfig:
         dkdv: the dk/dv kernel of the key tiles, the same choice ("auto" = the default; the Gluon one is
             :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; kernel run 8). The gathered columns' dk/dv
             are always Triton.
+        k_stages: buffers of the K ring of the Gluon forward and dq kernels (2 or 3; V keeps 2). K is freed as soon
+            as a step's scores are computed, so a third buffer lets its load start one more step ahead; at head dim
+            128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have (the offline
+            sm_90 compile; ``benchmarks/RESULTS.md``, kernel run 10).
     """
 
     fwd_warps: int | None = None
@@ -300,8 +307,11 @@ class KernelConfig:
     forward: str = "auto"
     dq: str = "auto"
     dkdv: str = "auto"
+    k_stages: int = 2
 
     def __post_init__(self) -> None:
+        if self.k_stages not in (2, 3):
+            raise ValueError(f"KernelConfig.k_stages={self.k_stages}; expected 2 or 3")
         for name in ("forward", "dq", "dkdv"):
             if getattr(self, name) not in ("triton", "gluon", "auto"):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)!r}; expected 'triton', 'gluon' or 'auto'")
@@ -572,16 +582,77 @@ def _vs_bwd_dkdv_cols_kernel(
         dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
                                 row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
     # partials laid out [P, GROUP, 2, B, HKV, NC, D] (DKC / DVC: the views [:, :, 0] / [:, :, 1]): head g's dk and
-    # dv of every KV group are one contiguous slab for index_add_
+    # dv of every KV group are one contiguous slab
     slab = (pid_p * GROUP + h % GROUP) * 2 * (BH // GROUP) + b * (H // GROUP) + hk
     out_off = (slab.to(tl.int64) * NC + j0 * CHUNK + offs_c[:, None]) * HEAD_DIM
     tl.store(DKC + out_off + offs_d[None, :], dk * sm_scale, mask=slot_ok[:, None])
     tl.store(DVC + out_off + offs_d[None, :], dv, mask=slot_ok[:, None])
 
 
+@triton.jit
+def _dkdv_cols_epilogue_kernel(
+    DKV, Part, Out, ColIdx, Sk, NC, G, B, HKV, sib, sih,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, CAST: tl.constexpr,
+):
+    """Adds the gathered columns' dk/dv partials (Part [G, 2, B, HKV, NC, D]: ``_vs_bwd_dkdv_cols_kernel``'s summed
+    over its query-range parts) into the key tiles' float32 dk/dv (DKV [2, B, HKV, Sk, D]) and, with CAST, writes
+    the result to Out in Out's dtype.
+
+    Deterministic without atomics: one program per (BLOCK_K keys, batch * KV head) owns those rows of dk and dv. For
+    each query head g of the group, in order, it finds the slots [lo, hi) of the head's sorted column list that hold
+    its keys (by counting; padding slots, column 0 past slot 0, count as past the end) and adds their partials by a
+    read-modify-write of the rows. A head's columns are unique, so a chunk of slots has no two writes to one row; a
+    barrier separates heads, which may share columns. The busiest program (the sink columns, in every head) does
+    G * 2 chunk updates of CH rows, so BLOCK_K stays small."""
+    pid_k = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    k0 = pid_k * BLOCK_K
+    offs_d = tl.arange(0, HEAD_DIM)
+    row0 = pid_bk.to(tl.int64) * Sk  # row of (b, hk, key 0) in DKV / Out seen as [2 * B * HKV * Sk, D] (dk half)
+    w_rows = (B * HKV).to(tl.int64) * Sk  # rows per half (dk, dv)
+    for g in range(0, G):
+        c_base = ColIdx + b * sib + (hk * G + g) * sih
+        lo = k0 * 0
+        hi = k0 * 0
+        for s0 in range(0, NC, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            c = tl.load(c_base + s, mask=s < NC, other=0)
+            val = tl.where((s < NC) & ((s == 0) | (c > 0)), c, POS_MAX)
+            lo += tl.sum((val < k0).to(tl.int32), 0)
+            hi += tl.sum((val < k0 + BLOCK_K).to(tl.int32), 0)
+        for s0 in range(lo, hi, CH):
+            s = s0 + tl.arange(0, CH)
+            sm = s < hi
+            c = tl.load(c_base + s, mask=sm, other=0).to(tl.int64)
+            for w in tl.static_range(2):
+                slab = (((g * 2 + w) * B + b) * HKV + hk).to(tl.int64)
+                part = tl.load(Part + (slab * NC + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=sm[:, None],
+                               other=0.0)
+                ptrs = DKV + (w * w_rows + row0 + c)[:, None] * HEAD_DIM + offs_d[None, :]
+                cur = tl.load(ptrs, mask=sm[:, None], other=0.0)
+                tl.store(ptrs, cur + part, mask=sm[:, None])
+        tl.debug_barrier()  # head g's row updates visible to every thread before head g + 1 reads those rows
+    if CAST:
+        rows = k0 + tl.arange(0, BLOCK_K)
+        rm = rows < Sk
+        for w in tl.static_range(2):
+            off = (w * w_rows + row0 + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+            x = tl.load(DKV + off, mask=rm[:, None], other=0.0)
+            tl.store(Out + off, x.to(Out.dtype.element_ty), mask=rm[:, None])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------------------------
+
+
+# the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch; host time decides
+# short calls: benchmarks/RESULTS.md, kernel runs 8-10)
+_LAUNCH_FWD, _LAUNCH_PRE, _LAUNCH_DQ, _LAUNCH_DKDV, _LAUNCH_COLS, _LAUNCH_EPI = (
+    Launcher(fn) for fn in (_vs_fwd_kernel, _bwd_preprocess_kernel, _vs_bwd_dq_kernel, _vs_bwd_dkdv_kernel,
+                            _vs_bwd_dkdv_cols_kernel, _dkdv_cols_epilogue_kernel))
 
 
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
@@ -676,11 +747,14 @@ def block_forward(
     block_m: int = 64,
     block_n: int = 64,
     config: KernelConfig | None = None,
+    cache: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Sq,D] against k/v [B,Hkv,Sk,D] over ``tiles`` (None: dense causal by positions).
 
     Returns ``(out [B,H,Sq,D], lse [B,H,Sq] float32, natural log)``. If ``out`` and ``lse`` are given (a running
     result, any float dtype for out), the block is merged into them by log-sum-exp in place and they are returned.
+    ``cache``: an empty dict to pass again to :func:`block_backward` of the same call (same q, k, v, positions and
+    lists): the Gluon path keeps there what the backward can reuse (the gathered columns, TMA descriptors).
     """
     cfg = config or DEFAULT_CONFIG
     q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
@@ -695,7 +769,8 @@ def block_forward(
     if _use_gluon(cfg.forward, "forward", q, tiles, prev_ok):
         from mtraining_kernels.gluon_hopper import gluon_block_forward
 
-        return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse)
+        return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse, k_stages=cfg.k_stages,
+                                   cache=cache)
     if not has_prev:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -704,14 +779,13 @@ def block_forward(
     (ci, cb), cstr, J = _col_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
     sub_n = min(BN, cfg.sub_n)
-    _vs_fwd_kernel[_query_grid(B * H, Sq, BM, rows)](
-        q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb,
-        scale * LOG2E, Sq, Sk, H, H // Hkv, J,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
-        *fstr, *cstr,
-        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-        HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-        num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages,
+    _LAUNCH_FWD(
+        _query_grid(B * H, Sq, BM, rows),
+        (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, Sq, Sk, H, H // Hkv, J,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *fstr, *cstr),
+        dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+             HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+             num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages),
     )
     return out, lse
 
@@ -731,16 +805,18 @@ def block_backward(
     block_n: int = 64,
     config: KernelConfig | None = None,
     grad_dtype: torch.dtype | None = None,
+    cache: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
 
     ``grad_dtype``: dtype of the returned (dq, dk, dv); None gives float32 (what a ring accumulates across steps).
     The kernels accumulate in float32 and write dq (and dk/dv when there are no gathered columns) in that dtype
-    directly; gathered-column partials are added to float32 dk/dv first, then cast.
+    directly; gathered-column partials are added to float32 dk/dv first, then cast. ``cache``: the dict given to
+    :func:`block_forward` of the same call, if any.
 
     Deterministic (bit-identical across runs): every element is written by one program, plus (gathered columns
-    only) a fixed-order sum over query-range parts and one ``index_add_`` per query head of a KV group with unique
-    indices.
+    only) a fixed-order sum over query-range parts and one epilogue program per block of key rows that adds the
+    columns' partials in a fixed order (the query heads of the KV group), see ``_dkdv_cols_epilogue_kernel``.
     """
     cfg = config or DEFAULT_CONFIG
     q, k, v, q_pos, k_pos, tiles = _prep(q, k, v, q_pos, k_pos, tiles, block_m, block_n)
@@ -757,14 +833,13 @@ def block_backward(
     gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True)
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    _bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
-        out, dout, lse, delta, lse2, Sq, H, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
-        HEAD_DIM=D, BLOCK=64,
-    )
+    _LAUNCH_PRE((triton.cdiv(Sq, 64), B * H),
+                (out, dout, lse, delta, lse2, Sq, H, *out.stride()[:3], *dout.stride()[:3], *lse.stride()),
+                dict(HEAD_DIM=D, BLOCK=64))
     BM, BN = tiles.block_m, tiles.block_n
     has_cols = tiles.col_idx is not None
     dkv = torch.empty(2, B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
-    dk, dv = dkv[0], dkv[1]  # one buffer: the column epilogue adds into both with one index_add_ per head
+    dk, dv = dkv[0], dkv[1]  # one buffer: the column epilogue reads and writes both in one launch
     sub_m, sub_n = min(BM, cfg.sub_m), min(BN, cfg.sub_n)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3]]
     (fi, fc, fn), fstr = _list_args(tiles, "fwd")
@@ -773,49 +848,53 @@ def block_backward(
     if gluon_dq:
         from mtraining_kernels.gluon_hopper import gluon_block_dq
 
-        dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt)
+        dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt,
+                            k_stages=cfg.k_stages, cache=cache)
     else:
         dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
-        _vs_bwd_dq_kernel[_query_grid(B * H, Sq, BM, rows)](
-            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb,
-            scale * LOG2E, scale, Sq, Sk, H, G, J, *strides, *fstr, *cstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-            BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-            num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages,
+        _LAUNCH_DQ(
+            _query_grid(B * H, Sq, BM, rows),
+            (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, scale, Sq, Sk, H, G, J,
+             *strides, *fstr, *cstr),
+            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
+                 BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+                 num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages),
         )
     if gluon_dkdv:
         from mtraining_kernels.gluon_hopper import gluon_block_dkdv
 
-        gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv)
+        gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv, cache=cache)
     else:
         (bi, bc, bn), bstr = _list_args(tiles, "bwd")
-        _vs_bwd_dkdv_kernel[(triton.cdiv(Sk, BN), B * Hkv)](
-            q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn,
-            scale * LOG2E, scale, Sq, Sk, H, Hkv, G, *strides, *bstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
-            num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages,
+        _LAUNCH_DKDV(
+            (triton.cdiv(Sk, BN), B * Hkv),
+            (q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv, G,
+             *strides, *bstr),
+            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
+                 num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages),
         )
     if J > 0:
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
         P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
         col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
         dkvc = torch.empty(P, G, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
-        _vs_bwd_dkdv_cols_kernel[(triton.cdiv(NC, cfg.col_block), B * H, P)](
-            q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb,
-            scale * LOG2E, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr,
-            HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
-            num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages,
+        _LAUNCH_COLS(
+            (triton.cdiv(NC, cfg.col_block), B * H, P),
+            (q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb, scale * LOG2E, scale, Sq,
+             Sk, H, G, Mq, NC, P, B * H, *strides, *cstr),
+            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+                 num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
         )
-        part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]; a fixed summation order: deterministic
-        # rows of dkv [2*B*Hkv*Sk, D] hit by head h = hk*G + g: (b*Hkv + hk)*Sk + col (dk), the same + B*Hkv*Sk (dv)
-        cols = ci.expand(B, H, NC).reshape(B, Hkv, G, NC).long()
-        rows = (torch.arange(B * Hkv, device=q.device) * Sk).view(B, Hkv, 1, 1) + cols
-        rows = rows.permute(2, 0, 1, 3).reshape(G, 1, -1)
-        idx = torch.cat((rows, rows + B * Hkv * Sk), 1).view(G, -1)
-        flat = dkv.view(-1, D)
-        for g in range(G):  # one writer per row within a head (unique columns; padding slots add exact zeros)
-            flat.index_add_(0, idx[g], part[g].view(-1, D))
-    if dkv.dtype != gdt:
+        # the parts summed in a fixed order (torch: parallel over the slots; kernel run 10 summed them inside the
+        # epilogue, which made the program holding the sink columns a 1-3 ms tail), then one launch adds the
+        # partials into dkv (float32, in place) and writes the result in the grads' dtype
+        part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]
+        res = dkv if gdt == torch.float32 else torch.empty(2, B, Hkv, Sk, D, dtype=gdt, device=q.device)
+        _LAUNCH_EPI((triton.cdiv(Sk, 32), B * Hkv),
+                    (dkv, part, res, ci, Sk, NC, G, B, Hkv, *cstr[:2]),
+                    dict(HEAD_DIM=D, BLOCK_K=32, BLOCK_S=256, CH=32, CAST=res is not dkv, num_warps=4))
+        dkv = res
+    if dkv.dtype != gdt:  # (lists with an empty column list)
         dkv = dkv.to(gdt)
     return dq, dkv[0], dkv[1]
 
@@ -828,16 +907,20 @@ def block_backward(
 class _VerticalSlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale, config):
-        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config)
+        # positions as the kernels take them, once for both passes; ``cache`` carries what the backward reuses
+        q_pos, k_pos = (p.to(device=q.device, dtype=torch.int32).contiguous() for p in (q_pos, k_pos))
+        cache: dict = {}
+        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
-        ctx.tiles, ctx.scale, ctx.config = tiles, scale, config
+        ctx.tiles, ctx.scale, ctx.config, ctx.cache = tiles, scale, config, cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
         dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
-                                    config=ctx.config, grad_dtype=q.dtype)
+                                    config=ctx.config, grad_dtype=q.dtype, cache=ctx.cache)
+        ctx.cache = None  # the gathered columns are not needed any more
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -854,10 +937,12 @@ def vertical_slash_attention(
     """Differentiable attention over ``tiles`` (positions default to 0..S-1); returns [B, H, Sq, D].
 
     ``config``: launch settings and the dq mode (:class:`KernelConfig`; None: :data:`DEFAULT_CONFIG`)."""
+    if q_pos is None and k_pos is None and q.shape[2] == k.shape[2]:
+        q_pos = k_pos = torch.arange(q.shape[2], device=q.device, dtype=torch.int32)
     if q_pos is None:
-        q_pos = torch.arange(q.shape[2], device=q.device)
+        q_pos = torch.arange(q.shape[2], device=q.device, dtype=torch.int32)
     if k_pos is None:
-        k_pos = torch.arange(k.shape[2], device=q.device)
+        k_pos = torch.arange(k.shape[2], device=q.device, dtype=torch.int32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale, config)
 

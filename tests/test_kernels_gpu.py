@@ -60,12 +60,44 @@ def test_bf16_launch_settings_match_fp32_reference(config):
 @pytest.mark.parametrize("S,D,spec", [(8191, 128, "forward=gluon"), (32767, 128, "forward=gluon,dq=gluon"),
                                       (8191, 64, "forward=gluon,dq=gluon"), (8191, 128, "dq=gluon"),
                                       (8191, 128, "dkdv=gluon"), (8191, 64, "dkdv=gluon"),
-                                      (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon")])
+                                      (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon"),
+                                      (8191, 64, "forward=gluon,dq=gluon,k_stages=3"),
+                                      (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon,k_stages=3")])
 def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     # the warp-specialised Gluon forward, dq and (experimental) dk/dv kernels, the others Triton's: same rule,
     # ragged lengths
     _needs_sm90()
     _check_bf16(S, D, 128, _config(spec))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_k_ring_depth_changes_no_bit(D):
+    # KernelConfig.k_stages only changes how far ahead K is loaded: the forward and dq must be bit-identical with a
+    # 2- and a 3-buffer K ring (ragged length, GQA, gathered columns, masked and unmasked steps), and a fwd+bwd
+    # through the autograd path (with its per-call cache of gathered columns) must equal the direct calls
+    _needs_sm90()
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+    from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block_forward, vertical_slash_attention
+
+    torch.manual_seed(3)
+    B, H, Hkv, S = 1, 8, 2, 8191
+    q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H))
+    vi, si = _pattern(B, Hkv, S, 400, [0, 1, 2, 1500], seed=6)
+    tiles = pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128)
+    pos = torch.arange(S, device="cuda")
+    res = []
+    for ks in (2, 3):
+        cfg = KernelConfig(k_stages=ks)
+        out, lse = block_forward(q, k, v, pos, pos, D**-0.5, tiles=tiles, config=cfg)
+        res.append((out, lse, *block_backward(q, k, v, out, lse, dout, pos, pos, D**-0.5, tiles=tiles, config=cfg,
+                                              grad_dtype=torch.bfloat16)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *res):
+        assert torch.equal(a, b), f"{name} differs between k_stages=2 and 3"
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = vertical_slash_attention(qg, kg, vg, tiles, scale=D**-0.5)
+    out.backward(dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), (res[0][0], *res[0][2:])):
+        assert torch.equal(a, b), f"autograd {name} differs from the direct calls"
 
 
 @pytest.mark.parametrize("S,D", [(32767, 128), (8191, 64)])
