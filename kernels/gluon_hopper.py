@@ -34,6 +34,7 @@ The module also holds the dq and dk/dv kernels built the same way (:func:`gluon_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -680,6 +681,15 @@ def _smem_layout(rows: int, D: int, bf16: bool):
     return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if bf16 else gl.float16)
 
 
+if HAS_GLUON:
+    _DESC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                      if f.default is not dataclasses.MISSING}
+    _missing = {f.name for f in dataclasses.fields(TensorDescriptor)} - set(_DESC_DEFAULTS) - {
+        "base", "shape", "strides", "block_shape", "layout"}
+    if _missing:  # pragma: no cover - a Triton whose descriptor needs more: fail at import, not at launch
+        raise ImportError(f"mtraining_kernels.gluon_hopper: TensorDescriptor needs fields {sorted(_missing)}")
+
+
 def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | None = None):
     """A host TMA descriptor of the contiguous ``t`` seen as ``[-1, D]`` rows, loaded ``rows`` at a time.
 
@@ -696,6 +706,7 @@ def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | Non
     if flat.data_ptr() % 16:
         raise ValueError(f"gluon kernels: {name or 'a tensor'} is not 16-byte aligned (address {flat.data_ptr()})")
     desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESC_DEFAULTS)  # fields this Triton's dataclass adds (with defaults) beyond those below
     desc.base, desc.shape, desc.strides = flat, [flat.shape[0], D], [D, 1]
     desc.block_shape, desc.layout, desc.padding = [rows, D], _smem_layout(rows, D, t.dtype == torch.bfloat16), "zero"
     if cache is not None:

@@ -55,7 +55,7 @@ def specialization_key(args, meta: dict) -> tuple:
     """The cache key of one launch: every argument's specialisation-relevant features, the constexprs and options
     by value, the device, and the JIT knobs that change what it compiles."""
     return (tuple(_arg_key(a) for a in args), tuple(meta.items()), driver.active.get_current_device(),
-            bool(knobs.runtime.debug), knobs.compilation.instrumentation_mode)
+            bool(knobs.runtime.debug), getattr(knobs.compilation, "instrumentation_mode", None))
 
 
 class Launcher:
@@ -81,7 +81,8 @@ class Launcher:
         kern = self.kernels.get(key)
         if kern is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
             kern = self.fn[grid](*args, **meta)
-            self.kernels[key] = kern
+            if hasattr(kern, "packed_metadata"):  # (a Triton whose compiled kernels differ: always the JIT)
+                self.kernels[key] = kern
             return kern
         consts = [meta[n] for n in self.names[len(args):]]
         stream = driver.active.get_current_stream(key[2])

@@ -287,8 +287,9 @@ class KernelConfig:
             are always Triton.
         k_stages: buffers of the K ring of the Gluon forward and dq kernels (2 or 3; V keeps 2). K is freed as soon
             as a step's scores are computed, so a third buffer lets its load start one more step ahead; at head dim
-            128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have (the offline
-            sm_90 compile; ``benchmarks/RESULTS.md``, kernel run 10).
+            128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have. Measured on an
+            H200 (``benchmarks/RESULTS.md``, kernel run 10): 3 is 4% slower at 128K/20% and equal elsewhere, so the
+            default is 2; the results are bit-identical either way.
     """
 
     fwd_warps: int | None = None
