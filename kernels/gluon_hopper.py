@@ -429,11 +429,15 @@ if HAS_GLUON:
                     mbarrier.wait(k_ready.index(ks), kph)
                     s_tok = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
+                    # wgmma groups retire in order: dq += dS_{j-1} K_{j-1} first, so K_{j-1} is freed (and the load
+                    # of K_{j+1} can start) while S_j runs; dP_j is issued only then: with dq, dS_{j-1}, S_j and
+                    # dP_j all in registers at once ptxas runs out and serialises every wgmma (D=128)
+                    dq, ds_op = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ds_op))
+                    mbarrier.arrive(k_empty.index(prev), count=1)  # K_{j-1}: its last reader, dq += dS K, is done
                     mbarrier.wait(v_ready.index(vs), (it // STAGES) & 1)
                     dp_tok = warpgroup_mma(do_smem, v_bufs.index(vs).permute((1, 0)), zero_s, use_acc=False,
                                            is_async=True)
-                    dq, ds_op, s = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ds_op, s_tok))
-                    mbarrier.arrive(k_empty.index(prev), count=1)  # K_{j-1}: its last reader, dq += dS K, is done
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                     if (j < nmask) | (j >= cnt):
                         mbarrier.wait(pos_ready.index(ks), kph)
                         s = _apply_mask(s, kpos_bufs.index(ks), q_pos, s_layout)
@@ -1050,7 +1054,8 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
                    kernel: str = "forward") -> dict:
     """Compile the kernel for sm_90 (on the GPU, or offline: call :func:`install_offline_sm90_target` first) and
     report its resources: shared memory (bytes), the ``setmaxnreg`` register counts of the partitions, wgmma
-    instructions, and cuobjdump's registers / stack per thread. ``kernel``: "forward" or "dq" (has_prev: forward
+    instructions, cuobjdump's registers / stack per thread, and ``wgmma_serialized``: ptxas's note when it
+    serialised the wgmma instructions (None: it did not). ``kernel``: "forward", "dq" or "dkdv" (has_prev: forward
     only)."""
     import os
     import re
@@ -1090,4 +1095,15 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
         out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     rep["registers"], rep["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    # ptxas says when it had to wait for every wgmma right after issuing it (no overlap of the tensor cores with
+    # anything in the warpgroup): the dq kernel's D=128 build was so until kernel run 11 (-7.6% once fixed)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    notes = [ln.strip() for ln in (log.stdout + log.stderr).splitlines() if "serialized" in ln]
+    rep["wgmma_serialized"] = notes[0] if notes else None
     return rep
