@@ -383,8 +383,9 @@ if HAS_GLUON:
                      scb, sch, scm, snb, snh, snm,
                      HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr, K_STAGES: gl.constexpr):
-        """dq of 64 query rows: per step S = Q K^T and dP = dO V^T (issued together), dS = P (dP - delta),
-        dq += dS K, the last one left in flight while the next step's S and dP are issued."""
+        """dq of 64 query rows: per step S = Q K^T and dP = dO V^T, dS = P (dP - delta), dq += dS K, the last one
+        issued at the start of the next step, ahead of that step's S; the step's dP is issued once it has retired
+        (with all four in registers ptxas serialised every wgmma at D=128; kernel run 11)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
