@@ -28,7 +28,8 @@ Constraints: CUDA sm_90, bf16/fp16, q/k/v contiguous ``[B, H(kv), S, D]`` (copie
 128 x 128 tiles. Key rows past Sk of a ragged last tile are read from the next head's rows (or TMA zero fill at
 the very end) and masked by position (such tiles are in the masked part of the lists).
 The module also holds the dq and dk/dv kernels built the same way (:func:`gluon_block_dq`,
-:func:`gluon_block_dkdv`). Chosen by ``KernelConfig(forward= / dq= / dkdv="auto" | "gluon")``; resources:
+:func:`gluon_block_dkdv`, and the gathered columns' dk/dv by the same dk/dv kernel: :func:`gluon_block_dkdv_cols`).
+Chosen by ``KernelConfig(forward= / dq= / dkdv= / dkdv_cols="auto" | "gluon")``; resources:
 :func:`compile_report` (works offline, after :func:`install_offline_sm90_target`).
 """
 
@@ -54,7 +55,8 @@ try:  # Gluon is in Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "compile_report", "gather_columns", "gluon_block_dkdv", "gluon_block_dq",
+__all__ = ["HAS_GLUON", "column_query_lists", "compile_report", "gather_columns", "gluon_block_dkdv",
+           "gluon_block_dkdv_cols", "gluon_block_dq",
            "gluon_block_forward", "gluon_supported", "install_offline_sm90_target"]
 
 LOG2E = 1.4426950408889634
@@ -510,20 +512,23 @@ if HAS_GLUON:
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs,
                        delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt, QPos, Lse2, Delta,
-                       Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn,
+                       Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn, NPART,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Per work item (key tile, batch, KV head): the key tile's K/V halves once, then for every query head of
-        the group and every query tile of its list, two 64-row steps: TMA loads of Q and dO rows, and the rows'
-        positions, base-2 lse and delta written to shared memory."""
+        """Per work item (key tile, batch, KV head, part): the key tile's K/V halves once, then for every query
+        head of the group and every query tile of its share of the list (part ``p`` of ``NPART`` equal shares), two
+        64-row steps: TMA loads of Q and dO rows, and the rows' positions, base-2 lse and delta written to shared
+        memory. Key tiles or, for the gathered columns, 128-slot chunks of a head's gathered rows (``COLS`` in
+        :func:`_dkdv_consumer`)."""
         RQ: gl.constexpr = q_desc.block_type.shape[0]  # query rows per step
         row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         offs_r = gl.arange(0, RQ, layout=row_layout)
-        BHK = total // n_k
+        BHK = total // (n_k * NPART)
         it = 0
         t = 0
         for w in range(gl.program_id(0), total, gl.num_programs(0)):
-            pid_n = w // BHK  # the first key tiles first: under causality they see the most query tiles
-            pid_bk = w % BHK
+            part = w % NPART
+            pid_n = (w // NPART) // BHK  # the first key tiles first: under causality they see the most query tiles
+            pid_bk = (w // NPART) % BHK
             b = pid_bk // HKV
             hk = pid_bk % HKV
             mbarrier.wait(kv_empty, (t & 1) ^ 1)
@@ -538,8 +543,9 @@ if HAS_GLUON:
                 h = hk * GROUP + g
                 base = BIdx + b * sib + h * sih + pid_n * sin
                 cnt = gl.load(BCnt + b * scb + h * sch + pid_n * scn)
+                lo = cnt * part // NPART
                 row_bh = (b * H + h) * Sq
-                for i in range(cnt * (BLOCK_M // RQ)):
+                for i in range(lo * (BLOCK_M // RQ), cnt * (part + 1) // NPART * (BLOCK_M // RQ)):
                     st = it % STAGES
                     mbarrier.wait(q_empty.index(st), ((it // STAGES) & 1) ^ 1)
                     mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -559,11 +565,17 @@ if HAS_GLUON:
     @gluon.jit
     def _dkdv_consumer(q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
                        q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV, GROUP,
-                       n_k, total, scb, sch, scn, snb, snh, snn,
+                       n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb, sbh, sbm, J,
+                       NC, GQ, HKVQ, BQ,
                        HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, COLS: gl.constexpr):
         """dk, dv of 64 keys (half ``HALF`` of the key tile): per 64-row query step S^T = K Q^T and dP^T = V dO^T
-        (issued together), P^T = exp2(S^T - lse2), dv += P^T dO, dS^T = P^T (dP^T - delta), dk += dS^T Q."""
+        (issued together), P^T = exp2(S^T - lse2), dv += P^T dO, dS^T = P^T (dP^T - delta), dk += dS^T Q.
+
+        ``COLS``: the keys are 64 gathered-column slots of query head h (chunk 2 * tile + HALF of its bit words;
+        ``HKV`` = heads, ``GROUP`` = 1, ``KPos`` the heads' slot positions [B * H, Sk]), every step masked by the
+        query tile's bit word and ``k_pos <= q_pos``; the partial dk/dv of part ``p`` go to the float32 buffer
+        ``DK`` laid out [NPART, GQ, 2, BQ, HKVQ, NC, D] (slots < NC only), summed by the caller."""
         RQ: gl.constexpr = q_bufs.type.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, RQ, 16])
@@ -573,19 +585,24 @@ if HAS_GLUON:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        BHK = total // n_k
+        BHK = total // (n_k * NPART)
         k_smem = k_bufs.index(HALF)
         v_smem = v_bufs.index(HALF)
+        slot = gl.arange(0, BLOCK_N // 2, layout=row_s).to(gl.int64)
         it = 0
         t = 0
         for w in range(gl.program_id(0), total, gl.num_programs(0)):
-            pid_n = w // BHK
-            pid_bk = w % BHK
+            part = w % NPART
+            pid_n = (w // NPART) // BHK
+            pid_bk = (w // NPART) % BHK
             b = pid_bk // HKV
             hk = pid_bk % HKV
             key0 = pid_n * BLOCK_N + HALF * (BLOCK_N // 2)
             offs_k = key0 + gl.arange(0, BLOCK_N // 2, layout=row_s)
-            k_pos = gl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
+            if COLS:
+                k_pos = gl.load(KPos + pid_bk.to(gl.int64) * Sk + offs_k)
+            else:
+                k_pos = gl.load(KPos + offs_k, mask=offs_k < Sk, other=POS_MAX)
             zero_s = gl.zeros([BLOCK_N // 2, RQ], gl.float32, s_layout)
             dk = gl.zeros([BLOCK_N // 2, HEAD_DIM], gl.float32, o_layout)
             dv = gl.zeros([BLOCK_N // 2, HEAD_DIM], gl.float32, o_layout)
@@ -594,9 +611,14 @@ if HAS_GLUON:
                 h = hk * GROUP + g
                 cnt = gl.load(BCnt + b * scb + h * sch + pid_n * scn)
                 nmask = gl.load(BNm + b * snb + h * snh + pid_n * snn)
-                for i in range(cnt * (BLOCK_M // RQ)):
+                lo = cnt * part // NPART
+                for i in range(cnt * (part + 1) // NPART * (BLOCK_M // RQ) - lo * (BLOCK_M // RQ)):
                     st = it % STAGES
                     ph = (it // STAGES) & 1
+                    if COLS:  # the step's query tile and its bit word of this half's 64 slots (loaded early)
+                        m = gl.load(BIdx + b * sib + h * sih + pid_n * sin + lo + i // (BLOCK_M // RQ))
+                        jw = 2 * pid_n + HALF
+                        word = gl.load(Bits + b * sbb + h * sbh + m * sbm + jw, mask=jw < J, other=0)
                     mbarrier.wait(q_ready.index(st), ph)
                     q_smem = q_bufs.index(st)
                     do_smem = do_bufs.index(st)
@@ -604,7 +626,12 @@ if HAS_GLUON:
                     dpt_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                     s_t = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
                     mbarrier.wait(row_ready.index(st), ph)
-                    if i < nmask * (BLOCK_M // RQ):
+                    if COLS:
+                        q_pos = qpos_bufs.index(st).load(col_s)
+                        sel = ((word >> slot) & 1) != 0
+                        s_t = gl.where(gl.expand_dims(sel, 1) & (gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0)),
+                                       s_t, float("-inf"))
+                    elif i < nmask * (BLOCK_M // RQ):
                         q_pos = qpos_bufs.index(st).load(col_s)
                         s_t = gl.where(gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0), s_t, float("-inf"))
                     lse2 = lse2_bufs.index(st).load(col_s)
@@ -621,18 +648,25 @@ if HAS_GLUON:
             mbarrier.arrive(kv_empty, count=1)
             rows = key0 + gl.arange(0, BLOCK_N // 2, layout=row_o)
             cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            off = gl.expand_dims((pid_bk.to(gl.int64) * Sk + rows) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
-            smask = gl.expand_dims(rows < Sk, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            if COLS:  # partials of (part, head g of KV head hk): slab ((part * GQ + g) * 2 + 0 / 1) * BQ * HKVQ + ...
+                slab = ((part * GQ + hk % GQ) * 2 * BQ + b) * HKVQ + hk // GQ
+                off = gl.expand_dims((slab.to(gl.int64) * NC + rows) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+                dv_off = off + BQ * HKVQ * NC * HEAD_DIM
+                smask = gl.expand_dims(rows < NC, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            else:
+                off = gl.expand_dims((pid_bk.to(gl.int64) * Sk + rows) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+                dv_off = off
+                smask = gl.expand_dims(rows < Sk, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
             gl.store(DK + off, (dk * sm_scale).to(DK.dtype.element_ty), mask=smask)
-            gl.store(DV + off, dv.to(DV.dtype.element_ty), mask=smask)
+            gl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=smask)
             t += 1
 
     @gluon.jit
     def _gl_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, QPos, KPos, Lse2, Delta, BIdx, BCnt, BNm,
                         qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP, n_k, total,
-                        sib, sih, sin, scb, sch, scn, snb, snh, snn,
+                        sib, sih, sin, scb, sch, scn, snb, snh, snn, NPART, Bits, sbb, sbh, sbm, J, NC, GQ, HKVQ, BQ,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, COLS: gl.constexpr):
         RQ: gl.constexpr = q_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -657,15 +691,17 @@ if HAS_GLUON:
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs,
                               lse2_bufs, delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt,
                               QPos, Lse2, Delta, Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn,
-                              BLOCK_M, BLOCK_N, STAGES)),
+                              NPART, BLOCK_M, BLOCK_N, STAGES)),
             (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
                               q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
-                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, gl.constexpr(0), HEAD_DIM, BLOCK_M,
-                              BLOCK_N, STAGES)),
+                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb,
+                              sbh, sbm, J, NC, GQ, HKVQ, BQ, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              COLS)),
             (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
                               q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
-                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, gl.constexpr(1), HEAD_DIM, BLOCK_M,
-                              BLOCK_N, STAGES)),
+                              GROUP, n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb,
+                              sbh, sbm, J, NC, GQ, HKVQ, BQ, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              COLS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
@@ -833,6 +869,8 @@ def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
         res = kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
     else:
         kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
+        if cache is not None:
+            cache["cols"] = (kc, vc, cpos)  # for the column dk/dv kernel of the backward
         bits = tiles.col_bits
         res = (kd, vd, _desc(kc, 128), _desc(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1],
                _bstrides(bits), True)
@@ -991,14 +1029,13 @@ def gluon_block_dkdv(
     warmup_only: bool = False,
     cache: dict | None = None,
 ):
-    """dk, dv of the key TILES of :func:`mtraining_kernels.vertical_slash.block_backward` (the gathered columns'
-    share stays with the Triton column kernel), by a warp-specialised Gluon kernel: one work item per (key tile,
-    batch, KV head), the K/V tile resident in shared memory, every query head of the group and every query tile of
-    its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
-    ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors. ``cache``:
-    as in :func:`gluon_block_forward` (the Q and dO descriptors of the dq kernel are reused).
-    The default on sm_90 (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md`` kernel
-    run 8."""
+    """dk, dv of the key TILES of :func:`mtraining_kernels.vertical_slash.block_backward` (the gathered columns' share:
+    :func:`gluon_block_dkdv_cols`, or the Triton column kernel), by a warp-specialised Gluon kernel: one work item per
+    (key tile, batch, KV head), the K/V tile resident in shared memory, every query head of the group and every query
+    tile of its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
+    ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors. ``cache``: as
+    in :func:`gluon_block_forward` (the Q and dO descriptors of the dq kernel are reused). The default on sm_90
+    (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md`` kernel run 8."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv", q, k, v, dout, lse2, delta, q_pos,
                                                                 k_pos, tiles)
     B, H, Sq, D = q.shape
@@ -1016,12 +1053,84 @@ def gluon_block_dkdv(
     kd, vd = _desc(k, 64, cache, "k"), _desc(v, 64, cache, "v")
     bi, bc, bn = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_nmask
     args = (qd, dod, kd, vd, dk, dv, q_pos, k_pos, lse2, delta, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv,
-            H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn))
-    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs)
+            H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn), 1, bc, 0, 0, 0, 0, 0, 1, 1, 1)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=False)
     if warmup_only:
         return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _LAUNCH_DKDV(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
     return dk, dv
+
+
+def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every 128-slot chunk pair of each head's gathered columns, the query tiles with a bit set in either
+    64-slot word, ascending: (lists [B', H', n_pairs, Mq] int32, valid entries first; counts [B', H', n_pairs]
+    int32). Four torch ops on the bit words, no host sync."""
+    bits = tiles.col_bits
+    J = bits.shape[-1]
+    nz = bits != 0
+    if 2 * n_pairs > J:
+        nz = torch.nn.functional.pad(nz, (0, 2 * n_pairs - J))
+    seen = nz.view(*nz.shape[:-1], n_pairs, 2).any(-1).transpose(-1, -2)  # [B', H', n_pairs, Mq]
+    Mq = seen.shape[-1]
+    m = torch.arange(Mq, device=bits.device, dtype=torch.int32)
+    lists = torch.sort(torch.where(seen, m, m + Mq), dim=-1).values.remainder_(Mq).to(torch.int32)
+    return lists.contiguous(), seen.sum(-1, dtype=torch.int32)
+
+
+def gluon_block_dkdv_cols(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tiles: TileLists,
+    parts: int,
+    stages: int = 2,
+    consumer_regs: int = 240,
+    programs: int | None = None,
+    warmup_only: bool = False,
+    cache: dict | None = None,
+):
+    """The gathered columns' share of dk/dv (what ``_vs_bwd_dkdv_cols_kernel`` computes) by the Gluon dk/dv
+    kernel run over the columns' dense rows (:func:`gather_columns`, reused from the forward through ``cache``):
+    one work item per (128-slot chunk pair, batch, query head, part), the query tiles with a bit in the chunk pair
+    (:func:`column_query_lists`) split into ``parts`` equal shares, every step masked by the tile's bit word and
+    ``k_pos <= q_pos``. Returns the float32 partials [parts, G, 2, B, Hkv, NC, D] (G = H // Hkv; [.., 0] dk
+    already scaled, [.., 1] dv) of the Triton column kernel's layout, to be summed over parts and added by
+    ``_dkdv_cols_epilogue_kernel`` (deterministic: one writer per element)."""
+    q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv columns", q, k, v, dout, lse2, delta, q_pos,
+                                                                k_pos, tiles)
+    if tiles.col_idx is None or tiles.col_bits.shape[-1] == 0:
+        raise ValueError("gluon dk/dv columns: the lists have no gathered columns")
+    B, H, Sq, D = q.shape
+    Hkv = k.shape[1]
+    NC = tiles.col_idx.shape[-1]
+    if cache is not None and "cols" in cache:
+        kc, vc, cpos = cache["cols"]
+    else:
+        kc, vc, cpos, _ = gather_columns(k, v, k_pos, tiles, H)
+    NCp = kc.shape[2]
+    n_pairs = NCp // 128
+    lists, counts = column_query_lists(tiles, n_pairs)
+    bits = tiles.col_bits if tiles.col_bits.stride(-1) == 1 else tiles.col_bits.contiguous()
+    parts = max(1, int(parts))
+    dkvc = torch.empty(parts, H // Hkv, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
+    total = n_pairs * B * H * parts
+    grid = (max(1, min(programs or _num_sms(q), total)),)
+    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
+    kd, vd = _desc(kc, 64, cache, "kc"), _desc(vc, 64, cache, "vc")
+    args = (qd, dod, kd, vd, dkvc, dkvc, q_pos, cpos, lse2, delta, lists, counts, counts, scale * LOG2E, scale, Sq,
+            NCp, H, H, 1, n_pairs, total, *_bstrides(lists), *_bstrides(counts), *_bstrides(counts), parts, bits,
+            *_bstrides(bits), bits.shape[-1], NC, H // Hkv, Hkv, B)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=True)
+    if warmup_only:
+        return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
+    _LAUNCH_DKDV(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
+    return dkvc
 
 
 def install_offline_sm90_target() -> None:
@@ -1056,8 +1165,8 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
     """Compile the kernel for sm_90 (on the GPU, or offline: call :func:`install_offline_sm90_target` first) and
     report its resources: shared memory (bytes), the ``setmaxnreg`` register counts of the partitions, wgmma
     instructions, cuobjdump's registers / stack per thread, and ``wgmma_serialized``: ptxas's note when it
-    serialised the wgmma instructions (None: it did not). ``kernel``: "forward", "dq" or "dkdv" (has_prev: forward
-    only)."""
+    serialised the wgmma instructions (None: it did not). ``kernel``: "forward", "dq", "dkdv" or "dkdv_cols" (has_prev:
+    forward only; has_cols: not for "dkdv_cols")."""
     import os
     import re
     import subprocess
@@ -1084,6 +1193,9 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
     elif kernel == "dkdv":
         rows = torch.zeros(1, H, S)
         ker = gluon_block_dkdv(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, warmup_only=True)
+    elif kernel == "dkdv_cols":
+        rows = torch.zeros(1, H, S)
+        ker = gluon_block_dkdv_cols(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, 2, warmup_only=True)
     else:
         ker = gluon_block_forward(q, k, k, pos, pos, 0.1, tiles, warmup_only=True, **kw)
     ptx = ker.asm["ptx"]

@@ -283,8 +283,11 @@ class KernelConfig:
         dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
             Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`).
         dkdv: the dk/dv kernel of the key tiles, the same choice ("auto" = the default; the Gluon one is
-            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; kernel run 8). The gathered columns' dk/dv
-            are always Triton.
+            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; kernel run 8).
+        dkdv_cols: the gathered columns' dk/dv, the same choice: "gluon" runs the Gluon dk/dv kernel over the
+            columns' dense rows (:func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv_cols`; ``col_split`` parts
+            per 128-slot chunk pair), "triton" the Triton column kernel (``col_block``, ``col_sub_m``,
+            ``col_split``). Kernel run 11 in ``benchmarks/RESULTS.md``.
         k_stages: buffers of the K ring of the Gluon forward and dq kernels (2 or 3; V keeps 2). K is freed as soon
             as a step's scores are computed, so a third buffer lets its load start one more step ahead; at head dim
             128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have. Measured on an
@@ -309,11 +312,12 @@ class KernelConfig:
     dq: str = "auto"
     dkdv: str = "auto"
     k_stages: int = 2
+    dkdv_cols: str = "auto"
 
     def __post_init__(self) -> None:
         if self.k_stages not in (2, 3):
             raise ValueError(f"KernelConfig.k_stages={self.k_stages}; expected 2 or 3")
-        for name in ("forward", "dq", "dkdv"):
+        for name in ("forward", "dq", "dkdv", "dkdv_cols"):
             if getattr(self, name) not in ("triton", "gluon", "auto"):
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)!r}; expected 'triton', 'gluon' or 'auto'")
         for name in ("col_step", "col_block"):
@@ -832,6 +836,7 @@ def block_backward(
     gdt = grad_dtype or torch.float32
     gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True)  # (an error for dq='gluon' here, before any launch)
     gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True)
+    gluon_cols = tiles.col_idx is not None and _use_gluon(cfg.dkdv_cols, "dkdv_cols", q, tiles, True)
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _LAUNCH_PRE((triton.cdiv(Sq, 64), B * H),
@@ -876,16 +881,22 @@ def block_backward(
         )
     if J > 0:
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
-        P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
-        col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
-        dkvc = torch.empty(P, G, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
-        _LAUNCH_COLS(
-            (triton.cdiv(NC, cfg.col_block), B * H, P),
-            (q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb, scale * LOG2E, scale, Sq,
-             Sk, H, G, Mq, NC, P, B * H, *strides, *cstr),
-            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
-                 num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
-        )
+        if gluon_cols:
+            from mtraining_kernels.gluon_hopper import gluon_block_dkdv_cols
+
+            P = min(cfg.col_split or _col_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
+            dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache)
+        else:
+            P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+            col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
+            dkvc = torch.empty(P, G, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
+            _LAUNCH_COLS(
+                (triton.cdiv(NC, cfg.col_block), B * H, P),
+                (q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb, scale * LOG2E,
+                 scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr),
+                dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+                     num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
+            )
         # the parts summed in a fixed order (torch: parallel over the slots; kernel run 10 summed them inside the
         # epilogue, which made the program holding the sink columns a 1-3 ms tail), then one launch adds the
         # partials into dkv (float32, in place) and writes the result in the grads' dtype

@@ -62,6 +62,29 @@ def test_kernel_config_kernel_choices_are_validated():
         KernelConfig(dq="fast")
     with pytest.raises(ValueError, match="dkdv='cuda'"):
         KernelConfig(dkdv="cuda")
+    with pytest.raises(ValueError, match="dkdv_cols='gpu'"):
+        KernelConfig(dkdv_cols="gpu")
+
+
+@pytest.mark.parametrize("B,H,Hkv,S", [(2, 6, 3, 1000), (1, 4, 1, 777), (1, 2, 2, 5000)])
+def test_column_query_lists_hold_the_tiles_that_select_a_chunk_pair(B, H, Hkv, S):
+    # the Gluon column dk/dv kernel walks, per 128-slot chunk pair of a head's gathered columns, exactly the query
+    # tiles with a bit in either 64-slot word, ascending; padding entries follow the valid ones
+    tiles = _tiles(B, H, Hkv, S, seed=S + 1)
+    bits = tiles.col_bits
+    J = bits.shape[-1]
+    n_pairs = -(-J // 2)
+    lists, counts = gluon_hopper.column_query_lists(tiles, n_pairs)
+    assert lists.dtype == counts.dtype == torch.int32
+    assert lists.shape == (*bits.shape[:2], n_pairs, bits.shape[2]) and counts.shape == lists.shape[:3]
+    for b in range(bits.shape[0]):
+        for h in range(bits.shape[1]):
+            for p in range(n_pairs):
+                words = bits[b, h, :, 2 * p:2 * p + 2]
+                want = torch.nonzero((words != 0).any(-1)).flatten().to(torch.int32)
+                assert int(counts[b, h, p]) == want.numel()
+                assert torch.equal(lists[b, h, p, :want.numel()], want), (b, h, p)
+    assert int(counts.sum()) > 0  # the pattern does select columns
 
 
 def test_gluon_where_it_cannot_run_says_why():
@@ -78,12 +101,18 @@ def test_gluon_where_it_cannot_run_says_why():
     with pytest.raises(ValueError, match="dkdv='gluon'.*needs an sm_90 GPU"):
         block_backward(q, k, v, q, torch.zeros(B, H, S), q, pos, pos, 0.25, block_m=128, block_n=128,
                        config=KernelConfig(dkdv="gluon"))
+    tiles = pattern_tile_lists(torch.tensor([[[0, 150]]]), torch.tensor([[[0]]]), S, 128, 128)
+    assert tiles.col_idx is not None  # the columns' kernel is chosen only when there are columns
+    with pytest.raises(ValueError, match="dkdv_cols='gluon'.*needs an sm_90 GPU"):
+        block_backward(q, k, v, q, torch.zeros(B, H, S), q, pos, pos, 0.25, tiles=tiles,
+                       config=KernelConfig(dkdv_cols="gluon"))
 
 
 @needs_gluon
 @pytest.mark.parametrize("kernel,head_dim,has_cols,has_prev",
                          [("forward", 128, True, True), ("forward", 64, False, False), ("dq", 128, True, False),
-                          ("dq", 64, False, False), ("dkdv", 128, True, False), ("dkdv", 64, True, False)])
+                          ("dq", 64, False, False), ("dkdv", 128, True, False), ("dkdv", 64, True, False),
+                          ("dkdv_cols", 128, True, False), ("dkdv_cols", 64, True, False)])
 def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_prev):
     # The compile runs in a subprocess: the offline target replaces Triton's driver for the whole process.
     code = (
