@@ -1064,7 +1064,7 @@ def gluon_block_dkdv(
 def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For every 128-slot chunk pair of each head's gathered columns, the query tiles with a bit set in either
     64-slot word, ascending: (lists [B', H', n_pairs, Mq] int32, valid entries first; counts [B', H', n_pairs]
-    int32). Four torch ops on the bit words, no host sync."""
+    int32). A few torch ops on the bit words (about eight launches), no host sync."""
     bits = tiles.col_bits
     J = bits.shape[-1]
     nz = bits != 0
