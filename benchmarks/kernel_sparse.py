@@ -199,6 +199,7 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
 
     from mtraining_kernels import list_builder as lb
     from mtraining_kernels import vertical_slash as vs
+    from mtraining_kernels.gluon_hopper import wgmma_serialization_note
 
     cfg = config or vs.DEFAULT_CONFIG
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "Out": "*bf16", "ColBits": "*i64"}
@@ -256,13 +257,7 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
                 rep = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
             line = next((ln.strip() for ln in rep.stdout.splitlines() if "REG:" in ln), rep.stdout[-200:])
             wgmma = "wgmma" in k.asm["ptx"]
-            with tempfile.TemporaryDirectory() as d:  # ptxas -v notes when it serialised the wgmma instructions
-                with open(os.path.join(d, "k.ptx"), "w") as f:
-                    f.write(k.asm["ptx"])
-                log = subprocess.run([os.path.join(os.path.dirname(cuobjdump), "ptxas"), "-arch=sm_90a", "-v",
-                                      os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                                     capture_output=True, text=True)
-            serial = "serialized" in log.stdout + log.stderr
+            serial = wgmma_serialization_note(k.asm["ptx"]) is not None
             print(f"{block_m}x{block_n} D={D} {fn.__name__:<26} warps={warps} stages={stages} sub_m={sub} sub_n={sub_n} "
                   f"wgmma={wgmma} serialized={serial} smem={k.metadata.shared} "
                   f"{line.split(' SHARED')[0]}", flush=True)

@@ -56,8 +56,8 @@ except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
 __all__ = ["HAS_GLUON", "column_query_lists", "compile_report", "gather_columns", "gluon_block_dkdv",
-           "gluon_block_dkdv_cols", "gluon_block_dq",
-           "gluon_block_forward", "gluon_supported", "install_offline_sm90_target"]
+           "gluon_block_dkdv_cols", "gluon_block_dq", "gluon_block_forward", "gluon_supported",
+           "install_offline_sm90_target", "wgmma_serialization_note"]
 
 LOG2E = 1.4426950408889634
 ROWS = 64  # query rows per consumer warpgroup
@@ -1073,8 +1073,8 @@ def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, to
     seen = nz.view(*nz.shape[:-1], n_pairs, 2).any(-1).transpose(-1, -2)  # [B', H', n_pairs, Mq]
     Mq = seen.shape[-1]
     m = torch.arange(Mq, device=bits.device, dtype=torch.int32)
-    lists = torch.sort(torch.where(seen, m, m + Mq), dim=-1).values.remainder_(Mq).to(torch.int32)
-    return lists.contiguous(), seen.sum(-1, dtype=torch.int32)
+    lists = torch.sort(torch.where(seen, m, m + Mq), dim=-1).values.remainder_(Mq)  # int32, contiguous
+    return lists, seen.sum(-1, dtype=torch.int32)
 
 
 def gluon_block_dkdv_cols(
@@ -1208,8 +1208,18 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
         out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     rep["registers"], rep["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
-    # ptxas says when it had to wait for every wgmma right after issuing it (no overlap of the tensor cores with
-    # anything in the warpgroup): the dq kernel's D=128 build was so until kernel run 11 (-7.6% once fixed)
+    rep["wgmma_serialized"] = wgmma_serialization_note(ptx)
+    return rep
+
+
+def wgmma_serialization_note(ptx: str) -> str | None:
+    """What ``ptxas -v`` (Triton's bundled one, sm_90a) says when it serialised the wgmma instructions of ``ptx``
+    (waits for every wgmma right after issuing it, so nothing overlaps the tensor cores in the warpgroup: the
+    Gluon dq kernel's D=128 build was so until kernel run 11, 7-11% slower); None when it did not."""
+    import os
+    import subprocess
+    import tempfile
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -1218,5 +1228,4 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
         log = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
     notes = [ln.strip() for ln in (log.stdout + log.stderr).splitlines() if "serialized" in ln]
-    rep["wgmma_serialized"] = notes[0] if notes else None
-    return rep
+    return notes[0] if notes else None
