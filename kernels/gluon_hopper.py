@@ -1073,8 +1073,9 @@ def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, to
     seen = nz.view(*nz.shape[:-1], n_pairs, 2).any(-1).transpose(-1, -2)  # [B', H', n_pairs, Mq]
     Mq = seen.shape[-1]
     m = torch.arange(Mq, device=bits.device, dtype=torch.int32)
-    lists = torch.sort(torch.where(seen, m, m + Mq), dim=-1).values.remainder_(Mq)  # int32, contiguous
-    return lists, seen.sum(-1, dtype=torch.int32)
+    lists = torch.sort(torch.where(seen, m, m + Mq), dim=-1).values.remainder_(Mq)  # int32
+    # the kernel reads a list with unit stride; `seen` is a transposed view, so where/sort may follow its strides
+    return lists.contiguous(), seen.sum(-1, dtype=torch.int32)
 
 
 def gluon_block_dkdv_cols(

@@ -76,6 +76,7 @@ def test_column_query_lists_hold_the_tiles_that_select_a_chunk_pair(B, H, Hkv, S
     n_pairs = -(-J // 2)
     lists, counts = gluon_hopper.column_query_lists(tiles, n_pairs)
     assert lists.dtype == counts.dtype == torch.int32
+    assert lists.is_contiguous()  # the kernel reads each list with unit stride
     assert lists.shape == (*bits.shape[:2], n_pairs, bits.shape[2]) and counts.shape == lists.shape[:3]
     for b in range(bits.shape[0]):
         for h in range(bits.shape[1]):
