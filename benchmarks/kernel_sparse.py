@@ -270,7 +270,7 @@ def _config(spec: str):
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        if key in ("forward", "dq", "dkdv", "dkdv_cols"):
+        if key in ("forward", "dq", "dkdv", "dkdv_cols", "item_order"):
             kw[key] = val
         else:
             kw[key] = bool(int(val)) if key == "heavy_first" else int(val)

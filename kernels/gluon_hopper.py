@@ -69,6 +69,30 @@ POS_MAX_INT = 2**31 - 1
 if HAS_GLUON:
 
     @gluon.jit
+    def _n_items(total, pid, nprog, SNAKE: gl.constexpr):
+        """How many of the ``total`` work items program ``pid`` of ``nprog`` runs under :func:`_item`'s order."""
+        if SNAKE:
+            full = total // nprog
+            slot = pid + (full % 2) * (nprog - 1 - 2 * pid)  # its position in the last, partial wave
+            n = full + (slot < total % nprog).to(gl.int32)
+        else:
+            n = (total - pid + nprog - 1) // nprog
+        return n
+
+    @gluon.jit
+    def _item(i, pid, nprog, SNAKE: gl.constexpr):
+        """The work item of program ``pid``'s ``i``-th iteration: waves of ``nprog`` items, every other wave walked
+        backwards. Work items come heaviest first, so a program that took a wave's heaviest item takes the next
+        wave's lightest. The plain stride (item ``pid + i * nprog``) gave one program the heaviest item of every
+        wave: at 128K/20% the dk/dv kernel's items (one key tile, 8 query heads) differ by up to ~3,300 steps,
+        and its SMs were busy 88% of the kernel (ncu, kernel run 12)."""
+        if SNAKE:
+            w = i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
+        else:  # KernelConfig(item_order="strided"): the order of kernel runs 7-11
+            w = pid + i * nprog
+        return w
+
+    @gluon.jit
     def _work_item(w, BH, n_q):
         """(query tile, batch * head) of work item w: batch * head fastest, the last query tiles first."""
         return n_q - 1 - w // BH, w % BH
@@ -88,7 +112,7 @@ if HAS_GLUON:
                   q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos, CPos,
                   ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh,
                   sbm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_COLS: gl.constexpr,
-                  QBUF: gl.constexpr, WITH_DO: gl.constexpr, K_STAGES: gl.constexpr):
+                  QBUF: gl.constexpr, WITH_DO: gl.constexpr, K_STAGES: gl.constexpr, SNAKE: gl.constexpr):
         """TMA loads of Q (and dO: ``WITH_DO``, the dq kernel) into ``QBUF`` buffers and of each step's K/V; for a
         masked step, the keys' positions with unselected gathered columns replaced by a never-visible position (so
         a consumer's mask is one compare), in shared memory."""
@@ -97,7 +121,8 @@ if HAS_GLUON:
         BH = total // n_q
         it = 0  # global K/V step counter (ring position), as in the consumers
         t = 0  # work items done by this program
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        for i_w in range(_n_items(total, gl.program_id(0), gl.num_programs(0), SNAKE)):
+            w = _item(i_w, gl.program_id(0), gl.num_programs(0), SNAKE)
             pid_m, pid_bh = _work_item(w, BH, n_q)
             b = pid_bh // H
             h = pid_bh % H
@@ -193,7 +218,8 @@ if HAS_GLUON:
                   v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                   sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
                   HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr, K_STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr, K_STAGES: gl.constexpr,
+                  SNAKE: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -207,9 +233,11 @@ if HAS_GLUON:
         w = gl.program_id(0)
         cnt, nmask, ncs, q_pos = _item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Sq, scb, sch, scm, snb, snh, snm,
                                             HALF, BLOCK_M, row_s, HAS_COLS)
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        for i_w in range(_n_items(total, gl.program_id(0), gl.num_programs(0), SNAKE)):
+            w = _item(i_w, gl.program_id(0), gl.num_programs(0), SNAKE)
             # the next item's lists and positions, loaded while this one runs
-            cnt_n, nmask_n, ncs_n, q_pos_n = _item_meta(w + gl.num_programs(0), total, n_q, H, FCnt, FNm, NCS, QPos,
+            w_n = _item(i_w + 1, gl.program_id(0), gl.num_programs(0), SNAKE)  # (past the end: zeros)
+            cnt_n, nmask_n, ncs_n, q_pos_n = _item_meta(w_n, total, n_q, H, FCnt, FNm, NCS, QPos,
                                                         Sq, scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s,
                                                         HAS_COLS)
             pid_m, pid_bh = _work_item(w, BH, n_q)
@@ -304,7 +332,7 @@ if HAS_GLUON:
                        sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, HAS_PREV: gl.constexpr, HAS_COLS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr, SNAKE: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -333,15 +361,15 @@ if HAS_GLUON:
                          q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm, NCS, KPos,
                          CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm, snb, snh,
                          snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, gl.constexpr(2), gl.constexpr(False),
-                         K_STAGES)),
+                         K_STAGES, SNAKE)),
             (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
                          v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
-                         gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES)),
+                         gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES, SNAKE)),
             (_consumer, (q_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty,
                          v_empty, Out, Lse, QPos, FCnt, FNm, NCS, qk_scale, Sq, H, n_q, total,
                          sob, soh, sos, slb, slh, sls, scb, sch, scm, snb, snh, snm,
-                         gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES)),
+                         gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_PREV, HAS_COLS, K_STAGES, SNAKE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -384,7 +412,8 @@ if HAS_GLUON:
                      k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q, total,
                      scb, sch, scm, snb, snh, snm,
                      HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr, K_STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr, K_STAGES: gl.constexpr,
+                     SNAKE: gl.constexpr):
         """dq of 64 query rows: per step S = Q K^T and dP = dO V^T, dS = P (dP - delta), dq += dS K, the last one
         issued at the start of the next step, ahead of that step's S; the step's dP is issued once it has retired
         (with all four in registers ptxas serialised every wgmma at D=128; kernel run 11)."""
@@ -401,8 +430,10 @@ if HAS_GLUON:
         cnt, nmask, ncs, q_pos, lse2, delta = _dq_item_meta(w, total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq,
                                                             scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s,
                                                             HAS_COLS)
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
-            nxt = _dq_item_meta(w + gl.num_programs(0), total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq,
+        for i_w in range(_n_items(total, gl.program_id(0), gl.num_programs(0), SNAKE)):
+            w = _item(i_w, gl.program_id(0), gl.num_programs(0), SNAKE)
+            w_n = _item(i_w + 1, gl.program_id(0), gl.num_programs(0), SNAKE)  # (past the end: zeros)
+            nxt = _dq_item_meta(w_n, total, n_q, H, FCnt, FNm, NCS, QPos, Lse2, Delta, Sq,
                                 scb, sch, scm, snb, snh, snm, HALF, BLOCK_M, row_s, HAS_COLS)
             pid_m, pid_bh = _work_item(w, total // n_q, n_q)
             row0 = pid_m * BLOCK_M + HALF * (BLOCK_M // 2)
@@ -469,7 +500,7 @@ if HAS_GLUON:
                       sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, HAS_COLS: gl.constexpr, QBUF: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, K_STAGES: gl.constexpr, SNAKE: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * QBUF] + do_desc.block_type.shape, do_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -498,22 +529,22 @@ if HAS_GLUON:
                          kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready, k_empty, v_empty, FIdx, FCnt, FNm,
                          NCS, KPos, CPos, ColBits, Sq, Sk, H, GROUP, n_q, total, NCp, J, sfb, sfh, sfm, scb, sch, scm,
                          snb, snh, snm, sbb, sbh, sbm, BLOCK_M, BLOCK_N, STAGES, HAS_COLS, QBUF, gl.constexpr(True),
-                         K_STAGES)),
+                         K_STAGES, SNAKE)),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
                             k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
                             total, scb, sch, scm, snb, snh, snm, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            HAS_COLS, QBUF, K_STAGES)),
+                            HAS_COLS, QBUF, K_STAGES, SNAKE)),
             (_dq_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, kpos_bufs, q_ready, q_empty, k_ready, v_ready, pos_ready,
                             k_empty, v_empty, DQ, Lse2, Delta, QPos, FCnt, FNm, NCS, qk_scale, sm_scale, Sq, H, n_q,
                             total, scb, sch, scm, snb, snh, snm, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                            HAS_COLS, QBUF, K_STAGES)),
+                            HAS_COLS, QBUF, K_STAGES, SNAKE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs,
                        delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt, QPos, Lse2, Delta,
                        Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn, NPART,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
         """Per work item (key tile, batch, KV head, part): the key tile's K/V halves once, then for every query
         head of the group and every query tile of its share of the list (part ``p`` of ``NPART`` equal shares), two
         64-row steps: TMA loads of Q and dO rows, and the rows' positions, base-2 lse and delta written to shared
@@ -525,7 +556,8 @@ if HAS_GLUON:
         BHK = total // (n_k * NPART)
         it = 0
         t = 0
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        for i_w in range(_n_items(total, gl.program_id(0), gl.num_programs(0), SNAKE)):
+            w = _item(i_w, gl.program_id(0), gl.num_programs(0), SNAKE)
             part = w % NPART
             pid_n = (w // NPART) // BHK  # the first key tiles first: under causality they see the most query tiles
             pid_bk = (w // NPART) % BHK
@@ -568,7 +600,7 @@ if HAS_GLUON:
                        n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb, sbh, sbm, J,
                        NC, GQ, HKVQ, BQ,
                        HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, COLS: gl.constexpr):
+                       STAGES: gl.constexpr, COLS: gl.constexpr, SNAKE: gl.constexpr):
         """dk, dv of 64 keys (half ``HALF`` of the key tile): per 64-row query step S^T = K Q^T and dP^T = V dO^T
         (issued together), P^T = exp2(S^T - lse2), dv += P^T dO, dS^T = P^T (dP^T - delta), dk += dS^T Q.
 
@@ -591,7 +623,8 @@ if HAS_GLUON:
         slot = gl.arange(0, BLOCK_N // 2, layout=row_s).to(gl.int64)
         it = 0
         t = 0
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        for i_w in range(_n_items(total, gl.program_id(0), gl.num_programs(0), SNAKE)):
+            w = _item(i_w, gl.program_id(0), gl.num_programs(0), SNAKE)
             part = w % NPART
             pid_n = (w // NPART) // BHK
             pid_bk = (w // NPART) % BHK
@@ -666,7 +699,7 @@ if HAS_GLUON:
                         qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP, n_k, total,
                         sib, sih, sin, scb, sch, scn, snb, snh, snn, NPART, Bits, sbb, sbh, sbm, J, NC, GQ, HKVQ, BQ,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, COLS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, COLS: gl.constexpr, SNAKE: gl.constexpr):
         RQ: gl.constexpr = q_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -691,17 +724,17 @@ if HAS_GLUON:
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs,
                               lse2_bufs, delta_bufs, kv_ready, kv_empty, q_ready, q_empty, row_ready, BIdx, BCnt,
                               QPos, Lse2, Delta, Sq, Sk, H, HKV, GROUP, n_k, total, sib, sih, sin, scb, sch, scn,
-                              NPART, BLOCK_M, BLOCK_N, STAGES)),
+                              NPART, BLOCK_M, BLOCK_N, STAGES, SNAKE)),
             (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
                               q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
                               GROUP, n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb,
                               sbh, sbm, J, NC, GQ, HKVQ, BQ, gl.constexpr(0), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              COLS)),
+                              COLS, SNAKE)),
             (_dkdv_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, qpos_bufs, lse2_bufs, delta_bufs, kv_ready, kv_empty,
                               q_ready, q_empty, row_ready, DK, DV, KPos, BCnt, BNm, qk_scale, sm_scale, Sk, HKV,
                               GROUP, n_k, total, scb, sch, scn, snb, snh, snn, NPART, BIdx, sib, sih, sin, Bits, sbb,
                               sbh, sbm, J, NC, GQ, HKVQ, BQ, gl.constexpr(1), HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              COLS)),
+                              COLS, SNAKE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
@@ -895,6 +928,7 @@ def gluon_block_forward(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
+    item_order: str = "snake",
 ):
     """The forward of :func:`mtraining_kernels.vertical_slash.block_forward` (same arguments and results; 128 x 128
     tiles) by the warp-specialised Gluon kernel. Gathered columns are first copied into dense per-head rows
@@ -938,11 +972,19 @@ def gluon_block_forward(
             H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *_bstrides(fi), *_bstrides(fc),
             *_bstrides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_PREV=has_prev, HAS_COLS=has_cols,
-                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=_snake(item_order))
     if warmup_only:
         return _gl_fwd_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _LAUNCH_FWD(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
     return out, lse
+
+
+def _snake(item_order: str) -> bool:
+    """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards, the
+    default) or "strided" (program p runs items p, p + P, p + 2P, ...: kernel runs 7-11)."""
+    if item_order not in ("snake", "strided"):
+        raise ValueError(f"gluon kernels: item_order={item_order!r}; expected 'snake' or 'strided'")
+    return item_order == "snake"
 
 
 def _backward_inputs(which, q, k, v, dout, lse2, delta, q_pos, k_pos, tiles):
@@ -982,6 +1024,7 @@ def gluon_block_dq(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
+    item_order: str = "snake",
 ):
     """dq of :func:`mtraining_kernels.vertical_slash.block_backward` (same pairs, 128 x 128 tiles) by a
     warp-specialised Gluon kernel built like :func:`gluon_block_forward` (``cache``, ``k_stages``: as there).
@@ -1002,7 +1045,7 @@ def gluon_block_dq(
     args = (qd, dod, kd, vd, ckd, cvd, dq, lse2, delta, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E,
             scale, Sq, Sk, H, H // Hkv, n_q, total, NCp, J, *_bstrides(fi), *_bstrides(fc), *_bstrides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_COLS=has_cols, QBUF=1 if D > 64 else 2,
-                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=_snake(item_order))
     if warmup_only:
         return _gl_dq_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _LAUNCH_DQ(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
@@ -1028,6 +1071,7 @@ def gluon_block_dkdv(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
+    item_order: str = "snake",
 ):
     """dk, dv of the key TILES of :func:`mtraining_kernels.vertical_slash.block_backward` (the gathered columns' share:
     :func:`gluon_block_dkdv_cols`, or the Triton column kernel), by a warp-specialised Gluon kernel: one work item per
@@ -1054,7 +1098,8 @@ def gluon_block_dkdv(
     bi, bc, bn = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_nmask
     args = (qd, dod, kd, vd, dk, dv, q_pos, k_pos, lse2, delta, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv,
             H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn), 1, bc, 0, 0, 0, 0, 0, 1, 1, 1)
-    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=False)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=False,
+                SNAKE=_snake(item_order))
     if warmup_only:
         return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _LAUNCH_DKDV(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))
@@ -1095,6 +1140,7 @@ def gluon_block_dkdv_cols(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
+    item_order: str = "snake",
 ):
     """The gathered columns' share of dk/dv (what ``_vs_bwd_dkdv_cols_kernel`` computes) by the Gluon dk/dv
     kernel run over the columns' dense rows (:func:`gather_columns`, reused from the forward through ``cache``):
@@ -1127,7 +1173,8 @@ def gluon_block_dkdv_cols(
     args = (qd, dod, kd, vd, dkvc, dkvc, q_pos, cpos, lse2, delta, lists, counts, counts, scale * LOG2E, scale, Sq,
             NCp, H, H, 1, n_pairs, total, *_bstrides(lists), *_bstrides(counts), *_bstrides(counts), parts, bits,
             *_bstrides(bits), bits.shape[-1], NC, H // Hkv, Hkv, B)
-    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=True)
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=True,
+                SNAKE=_snake(item_order))
     if warmup_only:
         return _gl_dkdv_kernel.warmup(*args, **meta, num_warps=NUM_WARPS_DEFAULT, grid=grid)
     _LAUNCH_DKDV(grid, args, dict(meta, num_warps=NUM_WARPS_DEFAULT))

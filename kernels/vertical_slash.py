@@ -293,6 +293,11 @@ class KernelConfig:
             128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have. Measured on an
             H200 (``benchmarks/RESULTS.md``, kernel run 10): 3 is 4% slower at 128K/20% and equal elsewhere, so the
             default is 2; the results are bit-identical either way.
+        item_order: the order in which the persistent Gluon kernels' programs take their work items (heaviest
+            first): "snake" (the default: every other wave of items walked backwards, so the program that took one
+            wave's heaviest item takes the next wave's lightest) or "strided" (program p takes items p, p + P,
+            p + 2P, ...: kernel runs 7-11, where it gave one program the heaviest item of every wave; the dk/dv
+            kernel's SMs were busy only 88% of its time at 128K/20%, kernel run 12). Results are bit-identical.
     """
 
     fwd_warps: int | None = None
@@ -313,8 +318,11 @@ class KernelConfig:
     dkdv: str = "auto"
     k_stages: int = 2
     dkdv_cols: str = "auto"
+    item_order: str = "snake"
 
     def __post_init__(self) -> None:
+        if self.item_order not in ("snake", "strided"):
+            raise ValueError(f"KernelConfig.item_order={self.item_order!r}; expected 'snake' or 'strided'")
         if self.k_stages not in (2, 3):
             raise ValueError(f"KernelConfig.k_stages={self.k_stages}; expected 2 or 3")
         for name in ("forward", "dq", "dkdv", "dkdv_cols"):
@@ -775,7 +783,7 @@ def block_forward(
         from mtraining_kernels.gluon_hopper import gluon_block_forward
 
         return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse, k_stages=cfg.k_stages,
-                                   cache=cache)
+                                   cache=cache, item_order=cfg.item_order)
     if not has_prev:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -855,7 +863,7 @@ def block_backward(
         from mtraining_kernels.gluon_hopper import gluon_block_dq
 
         dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt,
-                            k_stages=cfg.k_stages, cache=cache)
+                            k_stages=cfg.k_stages, cache=cache, item_order=cfg.item_order)
     else:
         dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
         _LAUNCH_DQ(
@@ -869,7 +877,8 @@ def block_backward(
     if gluon_dkdv:
         from mtraining_kernels.gluon_hopper import gluon_block_dkdv
 
-        gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv, cache=cache)
+        gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv, cache=cache,
+                         item_order=cfg.item_order)
     else:
         (bi, bc, bn), bstr = _list_args(tiles, "bwd")
         _LAUNCH_DKDV(
@@ -885,7 +894,8 @@ def block_backward(
             from mtraining_kernels.gluon_hopper import gluon_block_dkdv_cols
 
             P = min(cfg.col_split or _col_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
-            dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache)
+            dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache,
+                                         item_order=cfg.item_order)
         else:
             P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
             col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)

@@ -64,6 +64,47 @@ def test_kernel_config_kernel_choices_are_validated():
         KernelConfig(dkdv="cuda")
     with pytest.raises(ValueError, match="dkdv_cols='gpu'"):
         KernelConfig(dkdv_cols="gpu")
+    with pytest.raises(ValueError, match="item_order='random'"):
+        KernelConfig(item_order="random")
+
+
+def _items(total: int, pid: int, nprog: int, snake: bool) -> list[int]:
+    """The work items program ``pid`` runs: a mirror of ``gluon_hopper._n_items`` / ``_item`` (Gluon functions
+    cannot run on a CPU; tests/test_kernels_gpu.py checks the kernels themselves give identical results)."""
+    if not snake:
+        return list(range(pid, total, nprog))
+    full = total // nprog
+    slot = pid + (full % 2) * (nprog - 1 - 2 * pid)
+    n = full + int(slot < total % nprog)
+    return [i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid) for i in range(n)]
+
+
+@pytest.mark.parametrize("snake", [True, False])
+def test_persistent_item_orders_run_every_item_once(snake):
+    for total in [*range(1, 70), 2048, 16384]:
+        for nprog in (1, 2, 3, 7, 132):
+            got = sorted(w for p in range(min(nprog, total)) for w in _items(total, p, nprog, snake))
+            assert got == list(range(total)), (total, nprog)
+
+
+def test_snake_order_levels_the_dk_dv_programs():
+    # the dk/dv kernel's items (key tile ascending, then KV head) carry every query head's query tiles of the key
+    # tile: under causality the first are the heaviest. With 132 programs the strided order gives one program the
+    # heaviest item of every wave; the snake order pairs it with the next wave's lightest
+    S, H, Hkv, P = 65536, 16, 2, 132
+    g = torch.Generator().manual_seed(0)
+    M = S // 128
+    si = torch.cat([torch.arange(256), (5 + torch.randperm(M - 5, generator=g)[:100]) * 128])[None, None]
+    vi = torch.arange(64)[None, None]
+    tiles = pattern_tile_lists(expand_pattern(vi.expand(1, Hkv, -1), H, Hkv),
+                               expand_pattern(si.expand(1, Hkv, -1), H, Hkv), S, 128, 128)
+    steps = tiles.bwd_cnt[0].view(Hkv, H // Hkv, -1).sum(1)  # [Hkv, key tiles]: query tiles per item
+    weight = steps.t().reshape(-1).tolist()  # item w = key tile w // Hkv, KV head w % Hkv
+    spread = {}
+    for snake in (False, True):
+        loads = [sum(weight[w] for w in _items(len(weight), p, P, snake)) for p in range(P)]
+        spread[snake] = max(loads) / (sum(loads) / P)
+    assert spread[False] > 1.04 and spread[True] < 1.01, spread
 
 
 @pytest.mark.parametrize("B,H,Hkv,S", [(2, 6, 3, 1000), (1, 4, 1, 777), (1, 2, 2, 5000)])

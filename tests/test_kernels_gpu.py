@@ -39,7 +39,8 @@ def _config(spec):
     from mtraining_kernels.vertical_slash import KernelConfig
 
     items = (i.partition("=") for i in spec.split(","))
-    kw = {key: val if key in ("forward", "dq", "dkdv", "dkdv_cols") else int(val) for key, _, val in items}
+    kw = {key: val if key in ("forward", "dq", "dkdv", "dkdv_cols", "item_order") else int(val)
+          for key, _, val in items}
     return KernelConfig(**kw)
 
 
@@ -64,7 +65,8 @@ def test_bf16_launch_settings_match_fp32_reference(config):
                                       (8191, 64, "forward=gluon,dq=gluon,k_stages=3"),
                                       (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon,k_stages=3"),
                                       (8191, 128, "dkdv_cols=gluon"), (8191, 64, "dkdv_cols=gluon,col_split=3"),
-                                      (32767, 128, "dkdv_cols=gluon,col_split=1"), (8191, 128, "dkdv_cols=triton")])
+                                      (32767, 128, "dkdv_cols=gluon,col_split=1"), (8191, 128, "dkdv_cols=triton"),
+                                      (32767, 128, "item_order=strided"), (8191, 64, "item_order=strided")])
 def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     # the warp-specialised Gluon forward, dq, dk/dv and column dk/dv kernels, the others Triton's: same rule,
     # ragged lengths (the column kernel with 1 and 3 query-range parts per chunk pair and the default)
@@ -350,3 +352,34 @@ def test_gluon_column_dkdv_matches_triton_column_kernel(D):
     vertical_slash_attention(qg, kg, vg, tiles, scale=D**-0.5, config=KernelConfig(dkdv_cols="gluon")).backward(dout)
     for name, a, b in (("dk", kg.grad, got["gluon"][1]), ("dv", vg.grad, got["gluon"][2])):
         assert torch.equal(a, b.to(a.dtype)), f"autograd {name} differs from the direct call"
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_item_orders_give_bit_identical_results(D):
+    # KernelConfig(item_order=...) only changes which program runs which work item of the persistent Gluon kernels;
+    # every item is computed the same way, so forward, dq, dk/dv and the columns' dk/dv are bit-identical. 7
+    # programs (many waves, a partial last one, odd) and the default one per SM
+    _needs_sm90()
+    from mtraining_kernels import gluon_hopper as gh
+    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+
+    torch.manual_seed(7)
+    B, H, Hkv, S = 2, 8, 2, 8191  # ragged, GQA, batch 2, gathered columns
+    q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H))
+    vi, si = _pattern(B, Hkv, S, 700, [0, 1, 2, 40, 3000], seed=10)
+    tiles = pattern_tile_lists(expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv), S, 128, 128)
+    pos = torch.arange(S, device="cuda")
+    scale = D**-0.5
+    got = {}
+    for programs in (7, None):
+        for order in ("strided", "snake"):
+            kw = dict(programs=programs, item_order=order)
+            out, lse = gh.gluon_block_forward(q, k, v, pos, pos, scale, tiles, **kw)
+            lse2 = torch.where(torch.isinf(lse), float("inf"), lse * 1.4426950408889634).contiguous()
+            delta = (dout.float() * out.float()).sum(-1).contiguous()
+            a = (q, k, v, dout, lse2, delta, pos, pos, scale, tiles)
+            got[programs, order] = (out, lse, gh.gluon_block_dq(*a, **kw), *gh.gluon_block_dkdv(*a, **kw),
+                                    gh.gluon_block_dkdv_cols(*a, 3, **kw))
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "column dk/dv"), got[programs, "strided"],
+                              got[programs, "snake"]):
+            assert torch.equal(x, y), f"{name} differs between item orders ({programs} programs)"
