@@ -928,7 +928,7 @@ def gluon_block_forward(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
-    item_order: str = "snake",
+    item_order: str = "strided",
 ):
     """The forward of :func:`mtraining_kernels.vertical_slash.block_forward` (same arguments and results; 128 x 128
     tiles) by the warp-specialised Gluon kernel. Gathered columns are first copied into dense per-head rows
@@ -980,8 +980,9 @@ def gluon_block_forward(
 
 
 def _snake(item_order: str) -> bool:
-    """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards, the
-    default) or "strided" (program p runs items p, p + P, p + 2P, ...: kernel runs 7-11)."""
+    """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards: the
+    default of :func:`gluon_block_dkdv`) or "strided" (program p runs items p, p + P, p + 2P, ...: the default of the
+    others). These defaults are ``KernelConfig(item_order="auto")``'s choice (kernel run 13)."""
     if item_order not in ("snake", "strided"):
         raise ValueError(f"gluon kernels: item_order={item_order!r}; expected 'snake' or 'strided'")
     return item_order == "snake"
@@ -1024,7 +1025,7 @@ def gluon_block_dq(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
-    item_order: str = "snake",
+    item_order: str = "strided",
 ):
     """dq of :func:`mtraining_kernels.vertical_slash.block_backward` (same pairs, 128 x 128 tiles) by a
     warp-specialised Gluon kernel built like :func:`gluon_block_forward` (``cache``, ``k_stages``: as there).
@@ -1140,7 +1141,7 @@ def gluon_block_dkdv_cols(
     programs: int | None = None,
     warmup_only: bool = False,
     cache: dict | None = None,
-    item_order: str = "snake",
+    item_order: str = "strided",
 ):
     """The gathered columns' share of dk/dv (what ``_vs_bwd_dkdv_cols_kernel`` computes) by the Gluon dk/dv
     kernel run over the columns' dense rows (:func:`gather_columns`, reused from the forward through ``cache``):

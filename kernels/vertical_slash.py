@@ -294,10 +294,13 @@ class KernelConfig:
             H200 (``benchmarks/RESULTS.md``, kernel run 10): 3 is 4% slower at 128K/20% and equal elsewhere, so the
             default is 2; the results are bit-identical either way.
         item_order: the order in which the persistent Gluon kernels' programs take their work items (heaviest
-            first): "snake" (the default: every other wave of items walked backwards, so the program that took one
-            wave's heaviest item takes the next wave's lightest) or "strided" (program p takes items p, p + P,
-            p + 2P, ...: kernel runs 7-11, where it gave one program the heaviest item of every wave; the dk/dv
-            kernel's SMs were busy only 88% of its time at 128K/20%, kernel run 12). Results are bit-identical.
+            first): "snake" (every other wave of items walked backwards, so the program that took one wave's
+            heaviest item takes the next wave's lightest), "strided" (program p takes items p, p + P, p + 2P, ...:
+            kernel runs 7-11) or "auto" (the default: snake for the dk/dv kernel of the key tiles, strided for the
+            forward, dq and column dk/dv kernels). The strided order gave one dk/dv program the heaviest item of
+            every wave (its SMs were busy 88% of its time at 128K/20%, kernel run 12); the snake order made dk/dv
+            5% faster and dq 6-8% slower at 128K (kernel run 13), whose items are ~16x smaller, so "auto" takes
+            it only where it pays. Results are bit-identical in every order.
     """
 
     fwd_warps: int | None = None
@@ -318,11 +321,11 @@ class KernelConfig:
     dkdv: str = "auto"
     k_stages: int = 2
     dkdv_cols: str = "auto"
-    item_order: str = "snake"
+    item_order: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.item_order not in ("snake", "strided"):
-            raise ValueError(f"KernelConfig.item_order={self.item_order!r}; expected 'snake' or 'strided'")
+        if self.item_order not in ("snake", "strided", "auto"):
+            raise ValueError(f"KernelConfig.item_order={self.item_order!r}; expected 'snake', 'strided' or 'auto'")
         if self.k_stages not in (2, 3):
             raise ValueError(f"KernelConfig.k_stages={self.k_stages}; expected 2 or 3")
         for name in ("forward", "dq", "dkdv", "dkdv_cols"):
@@ -339,6 +342,16 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={val}; expected a power of two >= 16")
         if self.col_split is not None and self.col_split < 1:
             raise ValueError(f"KernelConfig.col_split={self.col_split}; expected None or >= 1")
+
+    def order_of(self, kernel: str) -> str:
+        """The item order ("snake" or "strided") of one persistent Gluon kernel: "forward", "dq", "dkdv" (the key
+        tiles) or "dkdv_cols" (the gathered columns), under ``item_order``."""
+        if kernel not in ("forward", "dq", "dkdv", "dkdv_cols"):
+            raise ValueError(f"KernelConfig.order_of: kernel={kernel!r}; expected 'forward', 'dq', 'dkdv' or "
+                             "'dkdv_cols'")
+        if self.item_order != "auto":
+            return self.item_order
+        return "snake" if kernel == "dkdv" else "strided"
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -783,7 +796,7 @@ def block_forward(
         from mtraining_kernels.gluon_hopper import gluon_block_forward
 
         return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse, k_stages=cfg.k_stages,
-                                   cache=cache, item_order=cfg.item_order)
+                                   cache=cache, item_order=cfg.order_of("forward"))
     if not has_prev:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -863,7 +876,7 @@ def block_backward(
         from mtraining_kernels.gluon_hopper import gluon_block_dq
 
         dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt,
-                            k_stages=cfg.k_stages, cache=cache, item_order=cfg.item_order)
+                            k_stages=cfg.k_stages, cache=cache, item_order=cfg.order_of("dq"))
     else:
         dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
         _LAUNCH_DQ(
@@ -878,7 +891,7 @@ def block_backward(
         from mtraining_kernels.gluon_hopper import gluon_block_dkdv
 
         gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv, cache=cache,
-                         item_order=cfg.item_order)
+                         item_order=cfg.order_of("dkdv"))
     else:
         (bi, bc, bn), bstr = _list_args(tiles, "bwd")
         _LAUNCH_DKDV(
@@ -895,7 +908,7 @@ def block_backward(
 
             P = min(cfg.col_split or _col_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
             dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache,
-                                         item_order=cfg.item_order)
+                                         item_order=cfg.order_of("dkdv_cols"))
         else:
             P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
             col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)

@@ -66,7 +66,8 @@ def test_bf16_launch_settings_match_fp32_reference(config):
                                       (32767, 128, "forward=gluon,dq=gluon,dkdv=gluon,k_stages=3"),
                                       (8191, 128, "dkdv_cols=gluon"), (8191, 64, "dkdv_cols=gluon,col_split=3"),
                                       (32767, 128, "dkdv_cols=gluon,col_split=1"), (8191, 128, "dkdv_cols=triton"),
-                                      (32767, 128, "item_order=strided"), (8191, 64, "item_order=strided")])
+                                      (32767, 128, "item_order=strided"), (8191, 64, "item_order=strided"),
+                                      (32767, 128, "item_order=snake"), (8191, 64, "item_order=snake")])
 def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     # the warp-specialised Gluon forward, dq, dk/dv and column dk/dv kernels, the others Triton's: same rule,
     # ragged lengths (the column kernel with 1 and 3 query-range parts per chunk pair and the default)
