@@ -772,8 +772,8 @@ def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | Non
     Built without the dataclass's ``__post_init__`` checks (a descriptor built through the dataclass cost 9.9 us of
     host time in kernel run 10's probe, ~15 per fwd+bwd; the saving itself was not timed): what they check holds by
     construction here (contiguous bf16/fp16 rows of a power-of-two D >= 64, so 16-byte strides, an NVMMA layout, a
-    valid block) except the base address, checked below. With a ``cache`` (one
-    dict per forward+backward), the descriptor of tensor ``name`` is built once and reused."""
+    valid block) except the base address, checked below. With a ``cache`` (one dict per forward+backward), the
+    descriptor of tensor ``name`` is built once and reused."""
     D = t.shape[-1]
     if cache is not None:
         hit = cache.get((name, rows))
