@@ -33,7 +33,7 @@ def _errors(got, ref):
     [(8192, 128, 64), (8191, 64, 64), (32768, 128, 64), (8192, 128, 128), (8191, 128, (128, 64)), (32767, 128, 128)],
 )
 def test_bf16_matches_fp32_reference(S, D, block):
-    _check_bf16(S, D, block)
+    _check_half(S, D, block)
 
 
 def _config(spec):
@@ -56,7 +56,7 @@ def _needs_sm90():
 def test_bf16_launch_settings_match_fp32_reference(config):
     # the Triton kernels at 128 x 128 tiles (where 'auto' would pick Gluon) and their other launch settings (query
     # tiles split over several programs, 4-warp programs, the other launch order): same pairs, same rule, ragged
-    _check_bf16(8191, 128, 128, _config(config))
+    _check_half(8191, 128, 128, _config(config))
 
 
 @pytest.mark.parametrize("S,D,spec", [(8191, 128, "forward=gluon"), (32767, 128, "forward=gluon,dq=gluon"),
@@ -73,7 +73,7 @@ def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     # the warp-specialised Gluon forward, dq, dk/dv and column dk/dv kernels, the others Triton's: same rule,
     # ragged lengths (the column kernel with 1 and 3 query-range parts per chunk pair and the default)
     _needs_sm90()
-    _check_bf16(S, D, 128, _config(spec))
+    _check_half(S, D, 128, _config(spec))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -182,10 +182,10 @@ def test_fp16_matches_fp32_reference(S, D, block, spec):
     # float16 inputs through the default kernels (Gluon on sm_90 at 128 x 128 tiles, Triton at 64 x 64 and on
     # other GPUs): the same rule against torch in float16. float16 keeps 3 more mantissa bits than bfloat16, so
     # both errors shrink ~8x; the floor shrinks with them (module docstring), so it still only covers outputs ~0
-    _check_bf16(S, D, block, _config(spec) if spec else None, dtype=torch.float16)
+    _check_half(S, D, block, _config(spec) if spec else None, dtype=torch.float16)
 
 
-def _check_bf16(S, D, block, config=None, dtype=torch.bfloat16):
+def _check_half(S, D, block, config=None, dtype=torch.bfloat16):
     from lightning_mtraining.sparse import sparse_attention
     from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
     from mtraining_kernels.reference import attention_chunked_ref, vertical_slash_mask
@@ -328,7 +328,7 @@ def test_dense_block_ops_striped_positions():
     err = _errors((out, dq, dk, dv), (ref[0], *ref[2:]))
     err_torch = _errors((same[0], *same[2:]), (ref[0], *ref[2:]))
     for n, e, et in zip(("out", "dq", "dk", "dv"), err, err_torch):
-        assert e <= 2 * et + 1e-3, f"{n}: kernel error {e:.3e} > 2 x torch {dtype} error {et:.3e}"
+        assert e <= 2 * et + 1e-3, f"{n}: kernel error {e:.3e} > 2 x torch bf16 error {et:.3e}"
 
 
 @pytest.mark.parametrize("D", [128, 64])
