@@ -1,0 +1,65 @@
+"""Precision report: the vertical-slash kernels' error against a float32 reference, next to torch's own error.
+
+For each case of the GPU precision tests (``tests/test_kernels_gpu.py``: ``test_bf16_matches_fp32_reference``'s
+128 x 128 / 128 x 64 cases and ``test_fp16_matches_fp32_reference``), in bfloat16 and float16, runs the test's
+check (``_check_half``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes, per-head budgets, one fwd+bwd
+through the default kernels) and prints the max abs error of out, dq, dk and dv for the kernel and for the same
+masked attention computed by torch at the same precision, both against float32, with their ratio. The tests
+assert ratio <= 2 (flash-attention's rule) plus a small floor; this script shows the margin. Not a timing.
+
+Command (GPU, via the device tool; repo root, with ``kernels/`` importable as ``mtraining_kernels``)::
+
+    python benchmarks/kernel_precision.py --out $OUT/precision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+CASES = [(8191, 128, 128, ""), (8191, 64, 128, ""), (8191, 128, 64, ""), (32767, 128, 128, "item_order=snake")]
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="precision.json", help="JSON file for the rows")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_precision.py needs a CUDA GPU (the test helpers allocate on 'cuda')")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import test_kernels_gpu as t
+
+    seen: list[list[float]] = []
+    errors = t._errors
+
+    def record(got, ref):
+        e = errors(got, ref)
+        seen.append(e)
+        return e
+
+    t._errors = record  # _check_half calls it twice: the kernel's errors, then torch's
+    rows = []
+    print(f"{'dtype':9} {'S':>6} {'D':>4} {'tiles':>9} {'order':>6} " + " ".join(f"{n + ' k/t':>22}" for n in NAMES))
+    for dtype in (torch.bfloat16, torch.float16):
+        for S, D, block, spec in CASES:
+            seen.clear()
+            t._check_half(S, D, block, t._config(spec) if spec else None, dtype=dtype)
+            kern, ref = seen
+            row = dict(dtype=str(dtype).replace("torch.", ""), S=S, D=D, block=block, config=spec or "default",
+                       kernel=kern, torch=ref, ratio=[a / b if b else None for a, b in zip(kern, ref)])
+            rows.append(row)
+            cells = " ".join(f"{a:.2e}/{b:.2e} {a / b:4.2f}" for a, b in zip(kern, ref))
+            tiles = f"{block}x{block}"
+            print(f"{row['dtype']:9} {S:>6} {D:>4} {tiles:>9} {spec.partition('=')[2] or 'auto':>6} {cells}")
+    meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name())
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
