@@ -1,49 +1,346 @@
-"""Vertical-slash sparse attention pattern: the budgets (``SparsityConfig``).
+"""The vertical-slash sparse attention pattern: its budgets (``SparsityConfig``) and the pattern itself
+(``VerticalSlashPattern``).
 
-Minimal placeholder written by the integration (issue 3) so the strategies can take a typed ``sparsity``
-argument; online pattern estimation lands here with the sparse ring (issue 4).
+Shape legend: B batch, G pattern heads (G = H: one pattern per query head; G = Hkv: one per KV group, shared by
+its H // Hkv query heads), n / n' the (padded) number of verticals / slashes, S the sequence length, T the tile.
+
+A pattern is a *global* object: ``vertical_idx [B, G, n]`` are key positions of the whole sequence and
+``slash_idx [B, G, n']`` are diagonal offsets q - k (0 = the main diagonal); negative entries are padding. Its
+meaning is exactly ``sparse_attention(q, k, v, vertical_idx, slash_idx, block_size=tile_size)`` on the
+unsharded sequence (the computed pairs are defined in :mod:`mtraining_kernels.indexing`): slashes run at tile
+granularity (the T x T tiles their diagonal crosses), verticals token by token, always key <= query. Because the
+pattern names global positions, the same pattern gives the same attention whatever the layout and the number of
+context-parallel ranks; :func:`~lightning_mtraining.estimation.estimate_pattern` estimates one online.
+
+``SparsityConfig`` holds what the estimator needs (MTraining section 3.1, MInference's vertical-slash search):
+a fixed top-k per head, or top-p of the attention mass with caps; the probe size; the always-kept sinks and
+local window; which layers stay dense, a dense warm-up, and per-layer / per-head budgets calibrated offline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
-__all__ = ["SparsityConfig"]
+import torch
+
+__all__ = ["SparsityConfig", "VerticalSlashPattern"]
+
+PatternHeads = Literal["query", "kv"]
+
+
+def _check_tile(tile_size: Any, owner: str) -> None:
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 16 or tile_size & (tile_size - 1):
+        raise ValueError(f"{owner}.tile_size must be a power of two >= 16 (the kernels' tile), got {tile_size!r}")
+
+
+def _budget(value: Any, name: str, allow_zero: bool = True) -> int | tuple[int, ...]:
+    """An int budget or a per-head tuple of ints, validated (>= 0, or >= 1 when zero is not allowed)."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"SparsityConfig.{name}: a per-head budget list must not be empty")
+        out = tuple(_budget(v, f"{name}[{i}]", allow_zero) for i, v in enumerate(value))
+        return out  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"SparsityConfig.{name} must be an int >= {low} (or one per head), got {value!r}")
+    return value
+
+
+def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...] | None:
+    """Normalise per-layer budgets to a sorted, hashable ``((layer, ((vertical, slash), ...)), ...)``.
+
+    Accepted: ``{layer: (vertical, slash)}`` (every head of the layer) or ``{layer: [(vertical, slash), ...]}``
+    (one pair per pattern head), layer keys as ints or strings of ints, or the path of a JSON file holding such a
+    mapping (optionally under a top-level ``"layers"`` key).
+    """
+    if budgets is None:
+        return None
+    source = ""
+    if isinstance(budgets, (str, os.PathLike)):
+        source = f" (from {os.fspath(budgets)})"
+        try:
+            with open(budgets) as f:
+                budgets = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"SparsityConfig.budgets: no such JSON file {os.fspath(budgets)!r}") from None
+        if isinstance(budgets, Mapping) and "layers" in budgets:
+            budgets = budgets["layers"]
+    if isinstance(budgets, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in budgets):
+        budgets = dict(budgets)  # already normalised (dataclasses.replace passes it again)
+    if not isinstance(budgets, Mapping):
+        raise TypeError(
+            f"SparsityConfig.budgets{source} must be a mapping {{layer: (vertical, slash) or [(vertical, slash) per "
+            f"head]}} or a JSON file path, got {type(budgets).__name__}"
+        )
+    out = []
+    for key, value in budgets.items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"SparsityConfig.budgets{source}: layer key {key!r} is not an integer") from None
+        if layer < 0:
+            raise ValueError(f"SparsityConfig.budgets{source}: layer {layer} is negative")
+        pairs = value
+        if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(x, int) for x in value):
+            pairs = [value]
+        if not isinstance(pairs, Sequence) or not pairs:
+            raise ValueError(
+                f"SparsityConfig.budgets{source}[{layer}] must be (vertical, slash) or a non-empty list of such "
+                f"pairs, got {value!r}"
+            )
+        norm = []
+        for h, pair in enumerate(pairs):
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(f"SparsityConfig.budgets{source}[{layer}][{h}] must be (vertical, slash), got {pair!r}")
+            v, s = (_budget(x, f"budgets[{layer}][{h}]") for x in pair)
+            norm.append((v, s))
+        out.append((layer, tuple(norm)))
+    return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)
 class SparsityConfig:
-    """Budgets of the vertical-slash pattern estimated online per layer and head (MTraining, section 3.1).
+    """Budgets of the vertical-slash pattern estimated online, every forward, per layer and head.
+
+    Two selection modes (the exact rule is in :func:`~lightning_mtraining.estimation.estimate_pattern`):
+
+    - top-k (``top_p=None``): the forced entries plus the ``vertical_topk`` / ``slash_topk`` best others;
+    - top-p (``top_p`` in (0, 1]): the forced entries, then others by score until the kept share of the probe
+      queries' attention mass reaches ``top_p``, at most ``max_vertical`` / ``max_slash`` others. The MTraining
+      reference trains with p = 0.9 (caps 4096); smaller p keeps less.
 
     Args:
-        vertical_topk: key columns kept per head (top-k mode).
-        slash_topk: diagonals kept per head (top-k mode).
-        top_p: if set, keep the smallest set of verticals/slashes holding this share of the estimated attention
-            mass (the reference uses 0.9 or 0.95), capped by ``max_vertical``/``max_slash``; overrides top-k.
-        max_vertical: cap on key columns per head in top-p mode.
-        max_slash: cap on diagonals per head in top-p mode.
-        last_q: number of last queries scored against all keys to estimate the pattern.
-        sink_tokens: first key positions always kept (attention sinks).
-        local_window: nearest diagonals always kept (local window).
+        vertical_topk: key columns kept per head in top-k mode (besides the sinks); an int, or one per pattern head.
+        slash_topk: diagonals kept per head in top-k mode (besides the local window); an int, or one per head.
+        top_p: ``None`` for top-k mode, or the share of attention mass to keep (top-p mode).
+        max_vertical: cap on non-forced key columns per head in top-p mode.
+        max_slash: cap on non-forced diagonals per head in top-p mode.
+        last_q: probe queries: the last ``last_q`` real positions of each sequence are scored against all keys.
+        sink_tokens: key positions ``0 .. sink_tokens - 1`` are always kept (attention sinks).
+        local_window: diagonal offsets ``0 .. local_window - 1`` are always kept (local window).
+        pattern_heads: ``"query"``: one pattern per query head; ``"kv"``: one per KV group (scores summed over its
+            query heads), which halves nothing in the kernels but makes the pattern G times smaller.
+        tile_size: tile T at which slashes run (a power of two >= 16; 128 is the kernels' fastest). Sharded
+            layouts must hold whole, aligned tiles (striped: ``block_size`` a multiple of T).
+        dense_layers: layer indices that always run dense (exact) attention.
+        dense_warmup_steps: optimizer steps trained dense before sparse attention starts (applied by the
+            strategies' schedule; ``estimate_pattern`` itself ignores it).
+        budgets: per-layer (and optionally per-head) budgets calibrated offline: ``{layer: (vertical, slash)}`` or
+            ``{layer: [(vertical, slash), ...]}`` (one pair per pattern head), or the path of a JSON file holding
+            that mapping. In top-k mode a pair replaces ``(vertical_topk, slash_topk)``; in top-p mode it replaces
+            the caps ``(max_vertical, max_slash)``. Layers not listed use the global budgets.
     """
 
-    vertical_topk: int = 1024
-    slash_topk: int = 1024
+    vertical_topk: int | tuple[int, ...] = 1024
+    slash_topk: int | tuple[int, ...] = 1024
     top_p: float | None = None
-    max_vertical: int = 4096
-    max_slash: int = 4096
+    max_vertical: int | tuple[int, ...] = 4096
+    max_slash: int | tuple[int, ...] = 4096
     last_q: int = 64
     sink_tokens: int = 4
     local_window: int = 128
+    pattern_heads: PatternHeads = "query"
+    tile_size: int = 128
+    dense_layers: tuple[int, ...] = ()
+    dense_warmup_steps: int = 0
+    budgets: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("vertical_topk", "slash_topk", "max_vertical", "max_slash", "last_q"):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        for name in ("vertical_topk", "slash_topk", "max_vertical", "max_slash"):
+            set_(name, _budget(getattr(self, name), name))
+        for name, low in (("last_q", 1), ("sink_tokens", 0), ("local_window", 0), ("dense_warmup_steps", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SparsityConfig.{name} must be a positive int, got {value!r}")
-        for name in ("sink_tokens", "local_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"SparsityConfig.{name} must be a non-negative int, got {value!r}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SparsityConfig.top_p must be in (0, 1] or None, got {self.top_p!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SparsityConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.top_p is not None:
+            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"SparsityConfig.top_p must be None (top-k mode) or in (0, 1], got {self.top_p!r}")
+            set_("top_p", float(self.top_p))
+        if self.pattern_heads not in ("query", "kv"):
+            raise ValueError(f"SparsityConfig.pattern_heads must be 'query' or 'kv', got {self.pattern_heads!r}")
+        _check_tile(self.tile_size, "SparsityConfig")
+        dense = self.dense_layers
+        if isinstance(dense, int) or not isinstance(dense, (list, tuple, set, frozenset)):
+            raise ValueError(f"SparsityConfig.dense_layers must be a list of layer indices, got {dense!r}")
+        bad = [i for i in dense if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(f"SparsityConfig.dense_layers must hold non-negative ints, got {bad}")
+        set_("dense_layers", tuple(sorted(set(dense))))
+        set_("budgets", _load_budgets(self.budgets))
+        both = sorted(set(self.dense_layers) & {layer for layer, _ in (self.budgets or ())})
+        if both:
+            raise ValueError(f"SparsityConfig: layers {both} are both in dense_layers and in budgets; choose one")
+
+    @property
+    def mode(self) -> Literal["topk", "topp"]:
+        return "topk" if self.top_p is None else "topp"
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> SparsityConfig:
+        """A config whose fields come from a JSON object (``overrides`` win); ``budgets`` may be inside it."""
+        with open(path) as f:
+            fields = json.load(f)
+        if not isinstance(fields, Mapping):
+            raise TypeError(f"{os.fspath(path)} must hold a JSON object of SparsityConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"{os.fspath(path)}: unknown SparsityConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**{**fields, **overrides})
+
+    def is_dense_layer(self, layer_idx: int | None) -> bool:
+        return layer_idx is not None and layer_idx in self.dense_layers
+
+    def head_budgets(self, num_heads: int, layer_idx: int | None = None) -> tuple[list[int], list[int]]:
+        """Per-head (vertical, slash) budgets of ``layer_idx`` for ``num_heads`` pattern heads.
+
+        Top-k mode: the number of non-forced entries kept; top-p mode: the caps. Raises if a per-head list does
+        not have ``num_heads`` entries.
+        """
+        if self.mode == "topk":
+            vert, slash = self.vertical_topk, self.slash_topk
+        else:
+            vert, slash = self.max_vertical, self.max_slash
+        where = "the global budgets"
+        if layer_idx is not None and self.budgets is not None:
+            for layer, pairs in self.budgets:
+                if layer == layer_idx:
+                    where = f"budgets[{layer}]"
+                    if len(pairs) == 1:
+                        vert, slash = pairs[0]
+                    else:
+                        vert, slash = [p[0] for p in pairs], [p[1] for p in pairs]
+                    break
+
+        def per_head(x: Any) -> list[int]:
+            if isinstance(x, int):
+                return [x] * num_heads
+            flat = list(x)
+            if len(flat) != num_heads or not all(isinstance(v, int) for v in flat):
+                raise ValueError(
+                    f"SparsityConfig: {where} give {len(flat)} per-head budgets, but the pattern has {num_heads} heads "
+                    f"(pattern_heads={self.pattern_heads!r}); give one int, or one per head"
+                )
+            return flat
+
+        return per_head(vert), per_head(slash)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerticalSlashPattern:
+    """A global vertical-slash pattern: the meaning is ``sparse_attention(q, k, v, vertical_idx, slash_idx,
+    block_size=tile_size)`` on the unsharded sequence, whatever the layout and world size.
+
+    Args:
+        vertical_idx: ``[B, G, n]`` integer key positions (vertical lines); negative entries are padding.
+        slash_idx: ``[B, G, n']`` integer diagonal offsets q - k (0 = main diagonal); negative entries are padding.
+        tile_size: the tile T at which slashes run (a power of two >= 16).
+
+    Duplicates are allowed and ignored. G is H (a pattern per query head) or H_kv (per KV group).
+    """
+
+    vertical_idx: torch.Tensor
+    slash_idx: torch.Tensor
+    tile_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("vertical_idx", "slash_idx"):
+            idx = getattr(self, name)
+            if not isinstance(idx, torch.Tensor):
+                raise TypeError(f"VerticalSlashPattern.{name} must be a torch.Tensor, got {type(idx).__name__}")
+            if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+                raise TypeError(f"VerticalSlashPattern.{name} must be an integer tensor, got {idx.dtype}")
+            if idx.dim() != 3:
+                raise ValueError(f"VerticalSlashPattern.{name} must be [batch, heads, n], got {tuple(idx.shape)}")
+        v, s = self.vertical_idx, self.slash_idx
+        if v.shape[:2] != s.shape[:2]:
+            raise ValueError(
+                f"VerticalSlashPattern: vertical_idx {tuple(v.shape)} and slash_idx {tuple(s.shape)} must share "
+                "[batch, heads]"
+            )
+        if v.device != s.device:
+            raise ValueError(f"VerticalSlashPattern: vertical_idx on {v.device} but slash_idx on {s.device}")
+        _check_tile(self.tile_size, "VerticalSlashPattern")
+
+    @property
+    def batch_size(self) -> int:
+        return self.vertical_idx.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        """G, the number of pattern heads."""
+        return self.vertical_idx.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.vertical_idx.device
+
+    def to(self, device: torch.device | str) -> VerticalSlashPattern:
+        return VerticalSlashPattern(self.vertical_idx.to(device), self.slash_idx.to(device), self.tile_size)
+
+    def validate(self, seq_len: int, num_heads: int | None = None, num_kv_heads: int | None = None,
+                 batch_size: int | None = None) -> None:
+        """Raise a clear error unless the pattern fits a sequence of ``seq_len`` tokens (and the given heads).
+
+        Entries must be < ``seq_len`` (negative ones are padding); G must be H or H_kv. One host sync.
+        """
+        if batch_size is not None and self.batch_size not in (batch_size,):
+            raise ValueError(f"the pattern is for batch {self.batch_size}, the inputs have batch {batch_size}")
+        if num_heads is not None:
+            allowed = {num_heads} | ({num_kv_heads} if num_kv_heads is not None else set())
+            if self.num_heads not in allowed:
+                raise ValueError(
+                    f"the pattern has {self.num_heads} heads; expected H={num_heads} (per query head)"
+                    + (f" or H_kv={num_kv_heads} (per KV group)" if num_kv_heads is not None else "")
+                )
+        for name in ("vertical_idx", "slash_idx"):
+            idx = getattr(self, name)
+            if idx.numel():
+                top = int(idx.max())
+                if top >= seq_len:
+                    raise ValueError(
+                        f"VerticalSlashPattern.{name} holds {top} >= sequence length {seq_len}: key positions and "
+                        "diagonal offsets must be < the sequence length (use negative values for padding)"
+                    )
+
+    def expand(self, num_heads: int, num_kv_heads: int) -> VerticalSlashPattern:
+        """The same pattern with one row per query head (G = H)."""
+        from mtraining_kernels.indexing import expand_pattern
+
+        return VerticalSlashPattern(
+            expand_pattern(self.vertical_idx, num_heads, num_kv_heads),
+            expand_pattern(self.slash_idx, num_heads, num_kv_heads),
+            self.tile_size,
+        )
+
+    def mask(self, seq_len: int) -> torch.Tensor:
+        """Boolean ``[B, G, S, S]`` mask of the allowed (query, key) pairs (a reference for small S)."""
+        from mtraining_kernels.reference import vertical_slash_mask
+
+        return vertical_slash_mask(self.vertical_idx, self.slash_idx, seq_len, self.tile_size)
+
+    def allowed_pairs(self, seq_len: int) -> torch.Tensor:
+        """Exact number of allowed (query, key) pairs per ``[B, G]`` (int64), counted per tile."""
+        from lightning_mtraining.balance import allowed_pairs
+
+        return allowed_pairs(self, seq_len)
+
+    def density(self, seq_len: int) -> torch.Tensor:
+        """Exact share of the causal pairs the pattern allows, ``[B, G]`` float64 (1.0 = dense)."""
+        causal = seq_len * (seq_len + 1) // 2
+        return self.allowed_pairs(seq_len).double() / causal
+
+    @classmethod
+    def full(cls, batch_size: int, num_heads: int, seq_len: int, tile_size: int = 128,
+             device: torch.device | str | None = None) -> VerticalSlashPattern:
+        """A pattern that covers every causal pair (a slash through every tile diagonal): dense attention."""
+        _check_tile(tile_size, "VerticalSlashPattern")
+        n_tiles = -(-seq_len // tile_size)
+        slash = (torch.arange(n_tiles, device=device) * tile_size).expand(batch_size, num_heads, n_tiles)
+        vertical = torch.full((batch_size, num_heads, 1), -1, dtype=torch.int64, device=device)
+        return cls(vertical, slash.contiguous(), tile_size)
