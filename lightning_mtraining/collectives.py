@@ -1,0 +1,36 @@
+"""Small collective helpers shared by the core (pattern estimation, ring attention), across torch versions.
+
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
+``reduce_scatter_single`` (the old names warn); torch 2.11 has only the old names. Gloo takes the gathered output
+only concatenated along dim 0 (``[W * d0, ...]``), not stacked (``[W, d0, ...]``), so both helpers use that form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_stacked", "reduce_scatter_dim0"]
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_stacked(t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """``[size, *t.shape]``: every rank's ``t`` in rank order (``t[None]`` when ``size == 1``)."""
+    if size == 1:
+        return t[None]
+    t = t.contiguous()
+    out = torch.empty((size * t.shape[0], *t.shape[1:]) if t.dim() else (size,), dtype=t.dtype, device=t.device)
+    _ALL_GATHER(out, t if t.dim() else t[None], group=group)
+    return out.view(size, *t.shape)
+
+
+def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """Sum ``t [size, ...]`` over the ranks and return this rank's row ``[...]`` of the sum."""
+    if size == 1:
+        return t[0]
+    t = t.contiguous()
+    out = torch.empty((t.shape[1] if t.dim() > 1 else 1, *t.shape[2:]), dtype=t.dtype, device=t.device)
+    _REDUCE_SCATTER(out, t.view(size * out.shape[0], *t.shape[2:]) if t.dim() > 1 else t, group=group)
+    return out if t.dim() > 1 else out[0]

@@ -1,0 +1,512 @@
+"""Online estimation of the vertical-slash pattern over a context-parallel group (MTraining section 3.1), and the
+recall of a pattern (the share of the true attention mass it keeps).
+
+Shape legend: B batch, H query heads, Hkv key/value heads, G pattern heads (H or Hkv), S local (per-rank)
+sequence length, N = S * W the padded global length, W = cp_size, n probe rows (``last_q``), D head dim,
+P key pieces of R consecutive positions.
+
+The contract (``estimate_pattern``), per batch row and pattern head:
+
+- probe rows are the last ``last_q`` positions of the row's *real* sequence (``seq_len``; padding added for
+  sharding is never a probe, never selected, never counted);
+- ``A = softmax(scale * q_probe k^T)`` over the keys with ``k_pos <= q_pos`` (zero elsewhere); with
+  ``pattern_heads="kv"`` the ``A`` of the query heads of a KV group are summed;
+- vertical score of key j: the sum of column j of ``A``; slash score of offset o: the sum of ``A[i, q_pos_i - o]``
+  over the probe rows;
+- forced: verticals ``0 .. sink_tokens - 1`` and offsets ``0 .. local_window - 1`` (those < the real length);
+- top-k: the forced entries plus the k best others; top-p: the forced entries, then the others by decreasing score
+  while the kept mass is below ``top_p`` times the total mass (the sum of all scores), at most the cap; verticals
+  and slashes separately; ties: the lower index first. Budgets may differ per head and per layer
+  (:meth:`SparsityConfig.head_budgets`).
+
+Note [Distributed estimation]
+-----------------------------
+No rank ever holds the scores of another rank's keys. Per layer, with W ranks::
+
+    1. probes     every rank writes the probe rows it owns into a zero [B, H, n, D] buffer; all-reduce(sum)
+                  gives every rank all probes (exact: each element has one non-zero contributor)
+    2. normaliser each rank scores the probes against its own keys (chunked, no grad) and all-gathers its
+                  row log-sum-exps [B, H, n]; every rank merges the W of them in the same order
+    3. scores     A on the local keys: vertical scores of its own keys, and partial slash sums for every
+                  offset its keys touch; the slash partials are reduce-scattered, so rank r owns the exact sums
+                  of the offsets [r N/W, (r+1) N/W)
+    4. selection  each rank takes the best entries it owns (at most the largest budget), and all-gathers them
+                  with its share of the total and of the forced mass; every rank merges the same gathered data
+                  in the same order (an exact distributed top-k / top-p: the global best k are among the union
+                  of the local best k), so every rank returns the same pattern by construction
+
+Communication per layer (elements): probes B*H*n*D (input dtype, all-reduce), normalisers W*B*H*n (float32),
+slash partials B*G*N (float32, reduce-scatter: each rank sends about (W-1)/W of it), candidates
+W*B*G*2*(2k+2) (float64, two all-gathers; k the largest budget). For the Qwen2.5-3B attention shape (H=16, Hkv=2,
+D=128) this is dominated by the slash partials: 16*N*4 bytes against the ring's K/V traffic per rank of
+(W-1)*2*2*(N/W)*128*2 bytes, i.e. about 6% of it for query-head patterns at W=8 and under 1% for
+``pattern_heads="kv"``.
+
+Cost per rank: O(n * H * D * S) multiply-adds for the scores (twice: normaliser, then scores), O(B*G*(N/W)*log)
+for the selection; no host synchronisation except on the first call for a (group, shapes) pair (a cross-rank
+shape check) and the host-side key pieces (cached per layout).
+
+Determinism: every sum is in a fixed order. The slash partials are accumulated with ``index_add_`` over pieces of
+R >= n - 1 consecutive keys whose offset windows overlap at most pairwise, so even CUDA's atomic adds see at most
+two non-zero terms per element, and a + b is commutative in IEEE arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_mtraining.collectives import all_gather_stacked, reduce_scatter_dim0
+from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
+from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
+
+__all__ = ["attention_recall", "estimate_pattern"]
+
+_MAX_SCORES = 1 << 24  # score elements per chunk of keys (64 MiB in float32)
+_PIECE = 1024  # longest piece of consecutive keys (pieces are at least last_q - 1 long where runs allow)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the CP group, the local keys, the probe rows
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            "this process is not a member of the process group passed as `group`; pass the context-parallel group "
+            "this rank's shard belongs to (every rank of it must call estimate_pattern together)"
+        )
+    return rank, dist.get_world_size(group)
+
+
+_CHECKED_GROUPS: set = set()
+
+
+def _check_group_shapes(q: torch.Tensor, k: torch.Tensor, seq_lens: list[int], group, cp_size: int, what: str):
+    """Once per (group, shapes): every rank of ``group`` must hold shards of the same sequences (one all-gather)."""
+    if cp_size == 1:
+        return
+    key = (id(group), tuple(q.shape), tuple(k.shape), tuple(seq_lens))
+    if key in _CHECKED_GROUPS:
+        return
+    mine = torch.tensor([*q.shape, *k.shape, sum(seq_lens), len(seq_lens)], dtype=torch.int64, device=q.device)
+    every = all_gather_stacked(mine, group, cp_size)
+    if not bool((every == mine).all()):
+        rows = every.tolist()
+        raise ValueError(
+            f"{what}: the ranks of the group hold shards of different shapes (q [B, H, S, D], k [B, Hkv, S, D], "
+            f"sum of seq_len, batch): {rows}; `group` must be the context-parallel group whose ranks each hold one "
+            "shard of the same sequences"
+        )
+    _CHECKED_GROUPS.add(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _local_keys(n_total: int, cp_rank: int, cp_size: int, layout: str, block_size: int, last_q: int,
+                device: torch.device):
+    """This rank's global positions and its keys cut into pieces of R consecutive positions.
+
+    Returns ``(pos [S], piece_idx [P, R] local indices (clamped), piece_valid [P, R], piece_start [P] global
+    position of each piece's first slot, R)``. A piece never crosses a gap in the positions; a run shorter than R
+    gives a partly valid piece. R = min(longest run, max(_PIECE, last_q - 1)).
+    """
+    if cp_size == 1:
+        pos = torch.arange(n_total)
+    else:
+        pos = global_positions(n_total, cp_rank, cp_size, layout, block_size)  # CPU, host-side bookkeeping
+    S = pos.numel()
+    breaks = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, S]
+    longest = max(e - s for s, e in zip(starts, ends))
+    R = min(longest, max(_PIECE, last_q - 1))
+    piece_first = [p for s, e in zip(starts, ends) for p in range(s, e, R)]
+    piece_end = [min(p + R, e) for s, e in zip(starts, ends) for p in range(s, e, R)]
+    first = torch.tensor(piece_first, dtype=torch.int64)
+    slot = torch.arange(R, dtype=torch.int64)
+    idx = first[:, None] + slot[None, :]
+    valid = idx < torch.tensor(piece_end, dtype=torch.int64)[:, None]
+    idx = torch.where(valid, idx, first[:, None])
+    start_pos = pos[first]
+    return pos.to(device), idx.to(device), valid.to(device), start_pos.to(device), R
+
+
+def _seq_lens(seq_len, batch: int, n_total: int, what: str) -> list[int]:
+    """The real length of every batch row as Python ints (host values: validation needs no device sync)."""
+    if seq_len is None:
+        lens = [n_total] * batch
+    elif isinstance(seq_len, int) and not isinstance(seq_len, bool):
+        lens = [seq_len] * batch
+    elif isinstance(seq_len, (torch.Tensor, Sequence)):
+        lens = [int(x) for x in (seq_len.tolist() if isinstance(seq_len, torch.Tensor) else seq_len)]
+        if len(lens) != batch:
+            raise ValueError(f"{what}: seq_len has {len(lens)} entries for a batch of {batch}; give one per row")
+    else:
+        raise TypeError(f"{what}: seq_len must be None, an int or one int per batch row, got {type(seq_len).__name__}")
+    bad = [n for n in lens if not 1 <= n <= n_total]
+    if bad:
+        raise ValueError(
+            f"{what}: seq_len {bad} must be in [1, {n_total}] (the padded length: {n_total} = local length x ranks)"
+        )
+    return lens
+
+
+def _validate_inputs(q, k, layout: str, block_size: int, cp_size: int, what: str) -> None:
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {name} must be a floating [batch, heads, seq, head_dim] tensor, got {shape}")
+    B, H, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D or k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(
+            f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, H, S, D] and [B, Hkv, S, D] with H a "
+            "multiple of Hkv"
+        )
+    if q.device != k.device:
+        raise ValueError(f"{what}: q is on {q.device} but k on {k.device}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{what}: unknown layout {layout!r}; choose one of {LAYOUTS}")
+    unit = layout_unit(layout, cp_size, block_size)
+    if cp_size > 1 and (S * cp_size) % unit:  # one rank holds the whole sequence in any layout
+        raise ValueError(
+            f"{what}: local length {S} on {cp_size} ranks gives {S * cp_size} tokens, not a multiple of the {layout} "
+            f"layout's unit {unit}; shard a sequence padded to a multiple of {unit}"
+        )
+
+
+class _Probe:
+    """The probe rows of one call, every rank's share of them, and the global softmax normaliser."""
+
+    def __init__(self, q, k, rows_pos: torch.Tensor, group, cp_rank: int, cp_size: int, layout: str,
+                 block_size: int, scale: float) -> None:
+        B, H, S, D = q.shape
+        self.B, self.H, self.Hkv, self.D = B, H, k.shape[1], D
+        self.n = rows_pos.shape[1]
+        self.group, self.cp_size, self.scale = group, cp_size, scale
+        self.cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.n_total = S * cp_size
+        self.pos, self.piece_idx, self.piece_valid, self.piece_start, self.R = _local_keys(
+            self.n_total, cp_rank, cp_size, layout, block_size, self.n, q.device
+        )
+        self.rows_pos = rows_pos  # [B, n] global positions of the probe rows (device, int64)
+        self.k = k
+        self.q_rows = self._gather_rows(q)  # [B, H, n, D] in the compute dtype
+        self.lse = self._global_lse()  # [B, H, n]
+
+    def _gather_rows(self, q: torch.Tensor) -> torch.Tensor:
+        loc = torch.searchsorted(self.pos, self.rows_pos).clamp(max=self.pos.numel() - 1)  # [B, n]
+        mine = self.pos[loc] == self.rows_pos
+        rows = torch.gather(q, 2, loc[:, None, :, None].expand(self.B, self.H, self.n, self.D))
+        rows = torch.where(mine[:, None, :, None], rows, torch.zeros((), dtype=q.dtype, device=q.device))
+        if self.cp_size > 1:
+            rows = rows.contiguous()
+            dist.all_reduce(rows, group=self.group)
+        return rows.to(self.cdt)
+
+    def chunks(self):
+        """Yield ``(piece slice, key positions [Pc, R], visible [B, 1, n, Pc, R], scores [B, H, n, Pc, R])``."""
+        P, R = self.piece_idx.shape
+        per = max(1, _MAX_SCORES // max(1, self.B * self.H * self.n * R))
+        G = self.H // self.Hkv
+        q5 = self.q_rows.view(self.B, self.Hkv, G * self.n, self.D)
+        for p0 in range(0, P, per):
+            sl = slice(p0, min(P, p0 + per))
+            idx, valid = self.piece_idx[sl], self.piece_valid[sl]
+            Pc = idx.shape[0]
+            kpos = self.pos[idx]  # [Pc, R]
+            kc = self.k[:, :, idx.reshape(-1)].to(self.cdt)  # [B, Hkv, Pc*R, D]
+            s = torch.matmul(q5, kc.transpose(-1, -2)) * self.scale  # [B, Hkv, G*n, Pc*R]
+            s = s.view(self.B, self.H, self.n, Pc, R)
+            visible = valid[None, None, None] & (kpos[None, None, None] <= self.rows_pos[:, None, :, None, None])
+            yield sl, kpos, visible, s.masked_fill(~visible, float("-inf"))
+
+    def _global_lse(self) -> torch.Tensor:
+        lse = torch.full((self.B, self.H, self.n), float("-inf"), dtype=self.cdt, device=self.q_rows.device)
+        for _, _, _, s in self.chunks():
+            lse = torch.logaddexp(lse, torch.logsumexp(s.flatten(-2), dim=-1))
+        if self.cp_size > 1:  # the same W terms merged in the same order on every rank
+            lse = torch.logsumexp(all_gather_stacked(lse, self.group, self.cp_size), dim=0)
+        return lse
+
+    def probabilities(self, s: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """``A`` of a chunk: ``[B, H, n, Pc, R]``, 0 where not visible."""
+        lse = torch.where(torch.isfinite(self.lse), self.lse, torch.zeros_like(self.lse))
+        return torch.where(visible, torch.exp(s - lse[..., None, None]), torch.zeros((), dtype=s.dtype,
+                                                                                     device=s.device))
+
+
+def _resolve(q, k, group, layout, block_size, seq_len, scale, what):
+    cp_rank, cp_size = _group_rank_size(group)
+    _validate_inputs(q, k, layout, block_size, cp_size, what)
+    n_total = q.shape[2] * cp_size
+    lens = _seq_lens(seq_len, q.shape[0], n_total, what)
+    _check_group_shapes(q, k, lens, group, cp_size, what)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return cp_rank, cp_size, n_total, lens, scale
+
+
+# --------------------------------------------------------------------------------------------------------------
+# selection
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _select(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    candidate: torch.Tensor,
+    forced: torch.Tensor,
+    budgets: list[int],
+    top_p: float | None,
+    group,
+    cp_size: int,
+) -> torch.Tensor:
+    """Exact distributed top-k / top-p over entries owned by the ranks of ``group``.
+
+    ``scores [B, G, M]`` this rank's entries (float), ``index [1 or B, M]`` their global indices (unique
+    across ranks), ``candidate [B, G, M]`` (or broadcastable) which may be selected, ``forced`` which are forced
+    (their mass counts first in top-p mode). Returns ``[B, G, K]`` selected global indices, -1 padding, K = the
+    largest budget; identical on every rank.
+    """
+    B, G, M = scores.shape
+    K = max(budgets) if budgets else 0
+    dev = scores.device
+    f64 = torch.float64
+    index = index.expand(B, M)
+    total = scores.sum(-1, dtype=f64)  # [B, G] this rank's share of the total mass
+    forced_mass = torch.where(forced, scores, torch.zeros((), dtype=scores.dtype, device=dev)).sum(-1, dtype=f64)
+    Kl = min(K, M)
+    cand = torch.where(candidate, scores.to(f64), torch.full((), float("-inf"), dtype=f64, device=dev))
+    # (score desc, index asc): this rank's indices ascend along M, so a stable sort keeps ties in index order
+    order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :Kl]
+    values = torch.gather(cand, -1, order)
+    where = torch.gather(index[:, None, :].expand(B, G, M), -1, order).to(f64)
+    payload = torch.cat([values, where, total[..., None], forced_mass[..., None]], dim=-1)  # [B, G, 2*Kl + 2]
+    every = all_gather_stacked(payload, group, cp_size)
+    values = every[..., :Kl].permute(1, 2, 0, 3).reshape(B, G, cp_size * Kl)
+    where = every[..., Kl:2 * Kl].permute(1, 2, 0, 3).reshape(B, G, cp_size * Kl)
+    total = every[..., 2 * Kl].sum(0)
+    forced_mass = every[..., 2 * Kl + 1].sum(0)
+    # global order (score desc, index asc): by index first, then a stable sort by score
+    by_index = torch.sort(where, dim=-1, stable=True).indices
+    values, where = torch.gather(values, -1, by_index), torch.gather(where, -1, by_index)
+    by_score = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :K]
+    values, where = torch.gather(values, -1, by_score), torch.gather(where, -1, by_score)
+    K = values.shape[-1]
+    slot = torch.arange(K, device=dev)
+    budget = torch.tensor(budgets, device=dev)[None, :, None]
+    keep = (slot < budget) & torch.isfinite(values)
+    if top_p is not None:
+        before = forced_mass[..., None] + torch.cumsum(values.nan_to_num(neginf=0.0), -1) - values.nan_to_num(
+            neginf=0.0)
+        keep &= before < top_p * total[..., None]
+    return torch.where(keep, where.round().to(torch.int64), torch.full((), -1, dtype=torch.int64, device=dev))
+
+
+def _forced(count: int, lens: list[int], shape: tuple[int, int], device) -> torch.Tensor:
+    """``[B, G, count]`` indices 0..count-1, -1 where >= the row's real length."""
+    B, G = shape
+    idx = torch.arange(count, device=device).expand(B, G, count)
+    lens_t = torch.tensor(lens, device=device)[:, None, None]
+    return torch.where(idx < lens_t, idx, torch.full((), -1, dtype=torch.int64, device=device))
+
+
+def _sorted_indices(*parts: torch.Tensor) -> torch.Tensor:
+    """Concatenate index tensors, sort each row ascending, padding (-1) last."""
+    idx = torch.cat(parts, dim=-1)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(idx >= 0, idx, torch.full((), big, dtype=idx.dtype, device=idx.device)).sort(-1).values
+    return torch.where(idx == big, torch.full((), -1, dtype=idx.dtype, device=idx.device), idx)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------------------
+
+
+def estimate_pattern(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: SparsityConfig,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "striped",
+    block_size: int = 128,
+    seq_len: int | Sequence[int] | torch.Tensor | None = None,
+    scale: float | None = None,
+    layer_idx: int | None = None,
+) -> VerticalSlashPattern:
+    """Estimate the vertical-slash pattern of this layer from the current Q and K of the whole (sharded) sequence.
+
+    Args:
+        q: ``[B, H, S, D]`` this rank's query shard in ``layout``.
+        k: ``[B, Hkv, S, D]`` this rank's key shard (H a multiple of Hkv).
+        config: the budgets (:class:`SparsityConfig`).
+        group: the context-parallel group (default: the default group; none initialised means one rank).
+        layout, block_size: how the sequence was sharded (:mod:`lightning_mtraining.layouts`).
+        seq_len: the real length before padding: an int for every row, or one per batch row (ragged batches);
+            default: no padding (the full ``S * cp_size``).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        layer_idx: which layer this is, for per-layer budgets (``config.budgets``).
+
+    Returns:
+        The same global :class:`VerticalSlashPattern` on every rank of ``group``: ``[B, G, sink + k]`` verticals and
+        ``[B, G, window + k']`` slashes, each row sorted ascending, -1 padding; G = H (``pattern_heads="query"``)
+        or Hkv (``"kv"``). Computed without gradients; see the module docstring for the exact rule and the
+        communication (Note [Distributed estimation]).
+    """
+    what = "estimate_pattern"
+    if not isinstance(config, SparsityConfig):
+        raise TypeError(f"{what}: config must be a SparsityConfig, got {type(config).__name__}")
+    cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale, what)
+    n = config.last_q
+    if n > min(lens):
+        raise ValueError(
+            f"{what}: last_q={n} probe queries but a sequence has only {min(lens)} real tokens; lower "
+            "SparsityConfig.last_q or train on longer sequences"
+        )
+    B, H = q.shape[:2]
+    Hkv = k.shape[1]
+    G = H if config.pattern_heads == "query" else Hkv
+    vert_budget, slash_budget = config.head_budgets(G, layer_idx)
+    dev = q.device
+    lens_t = torch.tensor(lens, device=dev)
+    with torch.no_grad():
+        rows_pos = lens_t[:, None] - n + torch.arange(n, device=dev)[None, :]  # [B, n]
+        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
+        S, N = q.shape[2], n_total
+        vert = torch.zeros(B, G, S + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for the pieces' unused slots
+        slash = torch.zeros(B * G * N + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for out-of-range offsets
+        R = probe.R
+        c = torch.arange(R + n - 1, device=dev)
+        row_base = (torch.arange(B, device=dev)[:, None] * G + torch.arange(G, device=dev)[None, :]) * N  # [B, G]
+        for sl, kpos, visible, s in probe.chunks():
+            a = probe.probabilities(s, visible)  # [B, H, n, Pc, R]
+            if G != H:
+                a = a.view(B, G, H // G, n, *a.shape[-2:]).sum(2)
+            Pc = a.shape[-2]
+            # verticals: column sums, written at the pieces' local indices (each local key once)
+            col = a.sum(2)  # [B, G, Pc, R]
+            idx = torch.where(probe.piece_valid[sl], probe.piece_idx[sl], S)  # invalid slots -> the spare bin S
+            vert.scatter_(2, idx.reshape(1, 1, -1).expand(B, G, -1), col.reshape(B, G, -1))
+            # slashes: sums along each piece's diagonals (skew: flip keys, pad, shift row i by i), then offsets
+            x = a.permute(0, 1, 3, 2, 4).flip(-1)  # [B, G, Pc, n, R]
+            x = torch.nn.functional.pad(x, (0, n)).flatten(-2)[..., : n * (R + n) - n]
+            diag = x.view(B, G, Pc, n, R + n - 1).sum(-2)  # [B, G, Pc, R + n - 1]
+            # diagonal c of piece p holds offset o = (p0_b - start_p - R + 1) + c  (p0_b: row b's first probe)
+            off = (rows_pos[:, 0, None, None] - probe.piece_start[sl][None, :, None] - R + 1) + c  # [B, Pc, R+n-1]
+            ok = (off >= 0) & (off < N)
+            flat = torch.where(ok[:, None], row_base[:, :, None, None] + off[:, None], B * G * N)
+            slash.index_add_(0, flat.reshape(-1), diag.reshape(-1))
+        vert = vert[..., :S]
+        slash = slash[:-1].view(B, G, N)
+        # rank r receives the exact sums of the offsets [r N/W, (r+1) N/W)
+        owned = reduce_scatter_dim0(slash.view(B, G, cp_size, N // cp_size).permute(2, 0, 1, 3), group, cp_size)
+        off_idx = torch.arange(N // cp_size, device=dev) + cp_rank * (N // cp_size)
+        lens_b = lens_t[:, None, None]
+        v_forced = probe.pos[None, None, :] < config.sink_tokens
+        v_cand = ~v_forced & (probe.pos[None, None, :] < lens_b)
+        s_forced = off_idx[None, None, :] < config.local_window
+        s_cand = ~s_forced & (off_idx[None, None, :] < lens_b)
+        v_sel = _select(vert, probe.pos[None, :], v_cand, v_forced.expand_as(vert), vert_budget, config.top_p,
+                        group, cp_size)
+        s_sel = _select(owned, off_idx[None, :], s_cand, s_forced.expand_as(owned), slash_budget, config.top_p,
+                        group, cp_size)
+        vertical_idx = _sorted_indices(_forced(config.sink_tokens, lens, (B, G), dev), v_sel)
+        slash_idx = _sorted_indices(_forced(config.local_window, lens, (B, G), dev), s_sel)
+    return VerticalSlashPattern(vertical_idx, slash_idx, tile_size=config.tile_size)
+
+
+def _recall_rows(rows, lens: list[int], device) -> torch.Tensor:
+    """``[B, r]`` global positions of the query rows to measure (default: 64 evenly spaced real rows)."""
+    B = len(lens)
+    if rows is None or (isinstance(rows, int) and not isinstance(rows, bool)):
+        count = 64 if rows is None else rows
+        if count < 1:
+            raise ValueError(f"attention_recall: rows={rows} must be >= 1")
+        i = torch.arange(count, dtype=torch.int64)
+        # row i at floor((i + 1) * L / count) - 1: evenly spaced, the last real position included
+        pos = torch.stack([torch.clamp((i + 1) * n // count - 1, min=0) for n in lens])
+        return pos.to(device)
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
+    if rows.dim() == 1:
+        rows = rows.expand(B, rows.numel())
+    if rows.dim() != 2 or rows.shape[0] != B:
+        raise ValueError(f"attention_recall: rows must be a count, [r] or [B={B}, r] positions; got {tuple(rows.shape)}")
+    return rows
+
+
+def attention_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pattern: VerticalSlashPattern,
+    *,
+    rows: int | torch.Tensor | Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "striped",
+    block_size: int = 128,
+    seq_len: int | Sequence[int] | torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Share of the true attention mass that ``pattern`` keeps, averaged over a sample of query rows.
+
+    For each sampled row i (any rows, not only the estimator's probes): ``sum_j A[i, j] * allowed(i, j)`` where
+    ``A`` is the dense causal softmax of the row over the whole sequence and ``allowed`` is the pattern's mask (the
+    pairs ``sparse_attention`` computes). 1.0 means nothing is lost. Same arguments and sharding as
+    :func:`estimate_pattern`; every rank of ``group`` calls it and gets the same value.
+
+    Args:
+        rows: a count (default 64, evenly spaced over each row's real sequence, the last position included), or
+            global positions ``[r]`` / ``[B, r]``.
+
+    Returns:
+        ``[B, G]`` float64 recall per batch row and pattern head (for a per-KV-group pattern, averaged over the
+        group's query heads).
+
+    Cost: like one estimation with ``r`` probe rows (the scores of r rows against all keys, split over the ranks:
+    O(r * H * D * N / W) per rank), plus the pattern's tile mask gathered per score; meant for logging every few
+    hundred steps, not every step.
+    """
+    what = "attention_recall"
+    if not isinstance(pattern, VerticalSlashPattern):
+        raise TypeError(f"{what}: pattern must be a VerticalSlashPattern, got {type(pattern).__name__}")
+    cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale, what)
+    B, H = q.shape[:2]
+    Hkv = k.shape[1]
+    pattern.validate(n_total, H, Hkv, batch_size=B)
+    G = pattern.num_heads
+    full = pattern.expand(H, Hkv)
+    T = pattern.tile_size
+    from mtraining_kernels.indexing import computed_tile_offsets
+
+    with torch.no_grad():
+        dev = q.device
+        rows_pos = _recall_rows(rows, lens, dev)
+        if bool((rows_pos < 0).any()) or bool((rows_pos >= torch.tensor(lens, device=dev)[:, None]).any()):
+            raise ValueError(f"{what}: rows must be real positions of each sequence (0 <= row < seq_len {lens})")
+        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
+        comp = computed_tile_offsets(full.slash_idx.to(dev), n_total, T, T)  # [B, H, NT]
+        NT = comp.shape[-1]
+        v = full.vertical_idx.to(dev)
+        is_vert = torch.zeros(B, H, n_total + 1, dtype=torch.bool, device=dev)
+        is_vert.scatter_(2, torch.where((v >= 0) & (v < n_total), v, n_total), True)
+        kept = torch.zeros(B, H, probe.n, dtype=probe.cdt, device=dev)
+        qt = (rows_pos // T)[:, None, :, None, None]  # [B, 1, r, 1, 1]
+        for sl, kpos, visible, s in probe.chunks():
+            a = probe.probabilities(s, visible)  # [B, H, r, Pc, R]
+            u = (qt - (kpos // T)[None, None, None]).clamp(0, NT - 1)  # [B, 1, r, Pc, R]
+            tile = comp.gather(-1, u.expand(B, H, *u.shape[2:]).reshape(B, H, -1)).view(a.shape)
+            col = is_vert[:, :, kpos.reshape(-1)].view(B, H, 1, *kpos.shape)
+            kept += (a * (tile | col)).sum((-1, -2))
+        kept = all_gather_stacked(kept, group, cp_size).sum(0)
+        recall = kept.to(torch.float64).mean(-1)  # [B, H]: each row's total mass is 1
+        if G != H:
+            recall = recall.view(B, G, H // G).mean(-1)
+    return recall
