@@ -48,7 +48,8 @@ import dataclasses
 import torch
 
 __all__ = [
-    "COL_CHUNK", "TileLists", "computed_tile_offsets", "dense_tile_lists", "expand_pattern", "pattern_tile_lists",
+    "COL_CHUNK", "PatternTiles", "TileLists", "check_tile_aligned", "computed_tile_offsets", "dense_tile_lists",
+    "expand_pattern", "lists_have_work", "pattern_tile_lists", "prepare_pattern_tiles", "step_tile_lists",
 ]
 
 COL_CHUNK = 64  # gathered columns per kernel step; one int64 of bits per (query tile, chunk)
@@ -288,3 +289,118 @@ def pattern_tile_lists(
         col_idx = torch.where(vs < S, vs, 0).to(i32)
     return TileLists(BM, BN, f_idx.to(i32).contiguous(), f_cnt, f_nm, b_idx.contiguous(), b_cnt, b_nm, col_idx,
                      col_bits)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# lists for one ring step: my query shard against the key chunk of another rank
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternTiles:
+    """A global pattern prepared for per-step lists (built once per layer, one host sync).
+
+    Per ``[B, H]`` row: ``offsets`` the ascending computed tile offsets u >= 0 (global tile diagonals, see the module
+    docstring, square tiles of ``tile``), ``verticals`` the sorted unique vertical positions; both padded with
+    ``big`` (larger than any entry).
+    """
+
+    tile: int
+    offsets: torch.Tensor  # [B, H, L] int64
+    verticals: torch.Tensor  # [B, H, NV] int64
+    big: int
+
+
+def prepare_pattern_tiles(vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, tile: int) -> PatternTiles:
+    """Computed tile offsets and unique verticals of a pattern ``[B, H, n]`` on a sequence of ``seq_len`` tokens."""
+    comp = computed_tile_offsets(slash_idx, seq_len, tile, tile)  # [B, H, NT]
+    B, H, NT = comp.shape
+    big = max(seq_len, NT) + 1
+    v = vertical_idx.to(torch.int64)
+    vs, nv = _sorted_unique(v, (v >= 0) & (v < seq_len), big)
+    n_off, n_col = (torch.stack([comp.sum(-1).max(), nv.max()]).tolist() if comp.numel() and nv.numel()
+                    else (int(comp.sum(-1).max()) if comp.numel() else 0, int(nv.max()) if nv.numel() else 0))
+    u = torch.arange(NT, device=comp.device)
+    offsets = torch.where(comp, u, big).sort(-1).values[..., : max(n_off, 1)].contiguous()
+    return PatternTiles(tile, offsets, vs[..., :n_col].contiguous(), big)
+
+
+def check_tile_aligned(pos: torch.Tensor, tile: int) -> bool:
+    """Whether every run of ``tile`` consecutive entries of ``pos`` is one whole global tile (host check)."""
+    if pos.numel() % tile:
+        return False
+    p = pos.view(-1, tile)
+    return bool(((p[:, 0] % tile) == 0).all()) and bool((p == p[:, :1] + torch.arange(tile, device=pos.device)).all())
+
+
+def _compact(idx: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the ``ok`` entries of each row to the front, keeping their order; returns (int32 lists, int32 counts)."""
+    L = idx.shape[-1]
+    slot = torch.arange(L, device=idx.device)
+    order = torch.sort(torch.where(ok, slot, slot + L), dim=-1).indices
+    return torch.gather(idx, -1, order).to(torch.int32).contiguous(), ok.sum(-1, dtype=torch.int32)
+
+
+def step_tile_lists(pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, columns: bool = True) -> TileLists:
+    """Lists for queries at global positions ``q_pos`` against keys at ``k_pos`` (one ring step), T x T tiles.
+
+    Every run of T consecutive entries of ``q_pos`` and of ``k_pos`` must be one whole global tile
+    (:func:`check_tile_aligned`; the ring checks it once per layout). Local query tile m is global tile gq[m], local
+    key tile t is gk[t]: the pair is computed iff gq[m] - gk[t] is a computed offset (>= 0); it needs the token mask
+    only on the global diagonal (gq[m] == gk[t]). Gathered columns (``columns=True``): the pattern's verticals that
+    lie in this key chunk, for query tile m when key <= its last query and its tile offset is not computed.
+    The same pairs as :func:`pattern_tile_lists` on the whole sequence, restricted to this (q, k) block.
+    """
+    T = pt.tile
+    dev = q_pos.device
+    q_pos, k_pos = q_pos.to(torch.int64), k_pos.to(torch.int64)
+    gq, gk = q_pos[::T] // T, k_pos[::T] // T  # [Mq], [Nk] global tile indices, increasing
+    Mq, Nk = gq.numel(), gk.numel()
+    U = pt.offsets.to(dev)  # [B, H, L]
+    B, H, L = U.shape
+    u_ok = U < pt.big
+    # query-major: key tile gq[m] - u
+    tg = gq[None, None, :, None] - U[:, :, None, :]  # [B, H, Mq, L]
+    t = torch.searchsorted(gk, tg.clamp(min=0).reshape(-1)).clamp(max=Nk - 1).view(tg.shape)
+    ok = u_ok[:, :, None, :] & (gk[t] == tg)
+    f_idx, f_cnt = _compact(t, ok)  # u ascends, so the masked diagonal (u = 0) comes first
+    f_nm = (ok & (U[:, :, None, :] == 0)).sum(-1, dtype=torch.int32)
+    # key-major: query tile gk[t] + u
+    mg = gk[None, None, :, None] + U[:, :, None, :]  # [B, H, Nk, L]
+    m = torch.searchsorted(gq, mg.reshape(-1)).clamp(max=Mq - 1).view(mg.shape)
+    ok = u_ok[:, :, None, :] & (gq[m] == mg)
+    b_idx, b_cnt = _compact(m, ok)
+    b_nm = (ok & (U[:, :, None, :] == 0)).sum(-1, dtype=torch.int32)
+    col_idx = col_bits = None
+    V = pt.verticals.to(dev)  # [B, H, NV]
+    NV = V.shape[-1]
+    if columns and NV:
+        loc = torch.searchsorted(k_pos, V.reshape(-1)).clamp(max=k_pos.numel() - 1).view(V.shape)
+        here = (V < pt.big) & (k_pos[loc] == V)
+        slot = torch.arange(NV, device=dev)
+        order = torch.sort(torch.where(here, slot, slot + NV), dim=-1).indices  # this chunk's columns first, sorted
+        loc, here, vpos = (torch.gather(x, -1, order) for x in (loc, here, V))
+        NC = _cdiv(NV, COL_CHUNK) * COL_CHUNK
+        if NC > NV:
+            pad = NC - NV
+            loc = torch.cat([loc, loc.new_zeros(B, H, pad)], -1)
+            here = torch.cat([here, here.new_zeros(B, H, pad)], -1)
+            vpos = torch.cat([vpos, vpos.new_full((B, H, pad), pt.big)], -1)
+        qmax = gq * T + T - 1  # [Mq]
+        u = gq[None, None, :, None] - vpos[:, :, None, :] // T  # [B, H, Mq, NC]
+        j = torch.searchsorted(U, u.clamp(min=0).reshape(B, H, -1)).clamp(max=L - 1)
+        covered = (u >= 0) & (torch.gather(U, -1, j).view(u.shape) == u)
+        sel = here[:, :, None, :] & (vpos[:, :, None, :] <= qmax[None, None, :, None]) & ~covered
+        shifts = torch.arange(COL_CHUNK, device=dev)
+        bits = (sel.view(B, H, Mq, NC // COL_CHUNK, COL_CHUNK).to(torch.int64) << shifts).sum(-1)  # distinct bits
+        col_bits = bits.contiguous()
+        col_idx = torch.where(here, loc, 0).to(torch.int32).contiguous()
+    return TileLists(T, T, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm, col_idx, col_bits)
+
+
+def lists_have_work(tiles: TileLists) -> torch.Tensor:
+    """0-dim bool tensor: whether the lists hold any tile pair or gathered column (no host sync)."""
+    work = tiles.fwd_cnt.any()
+    if tiles.col_bits is not None:
+        work = work | (tiles.col_bits != 0).any()
+    return work

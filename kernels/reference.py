@@ -62,30 +62,37 @@ def vertical_slash_mask(
     return causal & (tile | col[:, :, None, :S])
 
 
-def tile_lists_mask(tiles: TileLists, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Mask [B', H', Sq, Sk] of the pairs a kernel computes from ``tiles`` (token mask k_pos <= q_pos on all)."""
+def tile_lists_mask(
+    tiles: TileLists, q_pos: torch.Tensor, k_pos: torch.Tensor, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Mask [B', H', Sq, Sk] of the pairs a kernel computes from ``tiles`` (token mask k_pos <= q_pos on all);
+    with ``rows=(r0, r1)`` only the query rows [r0, r1): [B', H', r1 - r0, Sk]."""
     Sq, Sk = q_pos.shape[0], k_pos.shape[0]
+    r0, r1 = (0, Sq) if rows is None else rows
     BM, BN = tiles.block_m, tiles.block_n
-    Bp, Hp, Mq, _ = tiles.fwd_idx.shape
+    Bp, Hp = tiles.fwd_idx.shape[:2]
+    m0, m1 = r0 // BM, -(-r1 // BM)  # the query tiles holding rows [r0, r1)
+    Mr = m1 - m0
     Nk = -(-Sk // BN)
     dev = q_pos.device
-    slot = torch.arange(tiles.fwd_idx.shape[-1], device=dev)
-    live = slot < tiles.fwd_cnt[..., None]
-    grid = torch.zeros(Bp, Hp, Mq, Nk + 1, dtype=torch.bool, device=dev)
-    grid.scatter_(3, torch.where(live, tiles.fwd_idx.long(), Nk), torch.ones_like(live))
-    qt = torch.arange(Sq, device=dev) // BM
+    f_idx, f_cnt = tiles.fwd_idx[:, :, m0:m1], tiles.fwd_cnt[:, :, m0:m1]
+    slot = torch.arange(f_idx.shape[-1], device=dev)
+    live = slot < f_cnt[..., None]
+    grid = torch.zeros(Bp, Hp, Mr, Nk + 1, dtype=torch.bool, device=dev)
+    grid.scatter_(3, torch.where(live, f_idx.long(), Nk), torch.ones_like(live))
+    qt = torch.arange(r0, r1, device=dev) // BM - m0
     kt = torch.arange(Sk, device=dev) // BN
-    mask = grid[:, :, qt][..., kt]  # [B', H', Sq, Sk]
+    mask = grid[:, :, qt][..., kt]  # [B', H', rows, Sk]
     if tiles.col_idx is not None:
         J = tiles.col_bits.shape[-1]
-        bit = (tiles.col_bits[..., None] >> torch.arange(COL_CHUNK, device=dev)) & 1  # [B', H', Mq, J, 64]
-        bit = bit.reshape(Bp, Hp, Mq, J * COL_CHUNK)
-        cols = torch.zeros(Bp, Hp, Mq, Sk, dtype=torch.int64, device=dev)
+        bit = (tiles.col_bits[:, :, m0:m1, :, None] >> torch.arange(COL_CHUNK, device=dev)) & 1  # [B',H',Mr,J,64]
+        bit = bit.reshape(Bp, Hp, Mr, J * COL_CHUNK)
+        cols = torch.zeros(Bp, Hp, Mr, Sk, dtype=torch.int64, device=dev)
         # padding slots hold index 0 with bit 0: adding 0 changes nothing
-        cols.scatter_add_(3, tiles.col_idx.long()[:, :, None, :].expand(Bp, Hp, Mq, -1).contiguous(), bit)
+        cols.scatter_add_(3, tiles.col_idx.long()[:, :, None, :].expand(Bp, Hp, Mr, -1).contiguous(), bit)
         cols = cols > 0
         mask = mask | cols[:, :, qt]
-    return mask & (k_pos[None, :] <= q_pos[:, None])
+    return mask & (k_pos[None, :] <= q_pos[r0:r1, None])
 
 
 def attention_ref(

@@ -983,27 +983,32 @@ def vertical_slash_attention(
 
 
 class TritonBlockOp:
-    """The ring's per-block op protocol (``lightning_mtraining.attention_ops``) on the Triton kernels, dense.
+    """The ring's per-block op protocol (``lightning_mtraining.attention_ops``) on the Triton kernels.
 
     ``forward`` returns (out in q.dtype, lse float32); ``backward`` takes the FINAL merged (out, lse) and returns
-    float32 (dq, dk, dv). Tile lists come from :func:`dense_tile_lists` on every call
-    (O((Sq/BM) * (Sk/BN)) torch work on the device); cache them per position pair if that shows in a profile.
+    float32 (dq, dk, dv). With ``tiles=`` (a sparse ring step's lists, T x T tiles) the kernels compute exactly those
+    pairs; without, the tile lists come from :func:`dense_tile_lists` on every call (O((Sq/BM) * (Sk/BN)) torch
+    work on the device).
     """
 
-    def __init__(self, block_m: int = 64, block_n: int = 64) -> None:
-        self.block_m, self.block_n = block_m, block_n
+    supports_tiles = True
 
-    def forward(self, q, k, v, q_pos, k_pos, scale):
-        return block_forward(q, k, v, q_pos, k_pos, scale, block_m=self.block_m, block_n=self.block_n)
+    def __init__(self, block_m: int = 64, block_n: int = 64, config: KernelConfig | None = None) -> None:
+        self.block_m, self.block_n, self.config = block_m, block_n, config
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
-        return block_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, block_m=self.block_m,
-                              block_n=self.block_n)
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None):
+        return block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m, block_n=self.block_n,
+                             config=self.config)
 
-    def differentiable(self, q, k, v, q_pos, k_pos, scale):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None):
+        return block_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m,
+                              block_n=self.block_n, config=self.config)
+
+    def differentiable(self, q, k, v, q_pos, k_pos, scale, tiles=None):
         """The block's output with its own autograd (a ring of one step needs no merge)."""
-        tiles = dense_tile_lists(q_pos.to(q.device), k_pos.to(q.device), self.block_m, self.block_n)
-        return vertical_slash_attention(q, k, v, tiles, q_pos, k_pos, scale)
+        if tiles is None:
+            tiles = dense_tile_lists(q_pos.to(q.device), k_pos.to(q.device), self.block_m, self.block_n)
+        return vertical_slash_attention(q, k, v, tiles, q_pos, k_pos, scale, config=self.config)
 
     def __repr__(self) -> str:
         return f"TritonBlockOp(block_m={self.block_m}, block_n={self.block_n})"

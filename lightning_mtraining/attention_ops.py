@@ -17,6 +17,11 @@ Protocol (duck-typed; the ring and the simulated ring call only these two method
     Flash-attention-style backward given the *final* (merged over all blocks) ``out`` and ``lse``: the returned
     gradients are this block's contributions (float32, or float64 for float64 inputs), to be summed over blocks.
 
+Sparse ops (attribute ``supports_tiles = True``) also take ``tiles=`` (a
+:class:`~mtraining_kernels.indexing.TileLists` of the step, from
+:func:`~mtraining_kernels.indexing.step_tile_lists`) in both methods and then compute exactly the pairs the lists
+name (intersected with ``k_pos <= q_pos``), the same pairs as the Triton kernels.
+
 Ops:
 
 - :class:`TorchBlockOp`: torch, chunked over queries so memory stays bounded; CPU and GPU. Plain matmul/softmax
@@ -113,6 +118,8 @@ class TorchBlockOp:
     share the chunk's mask.
     """
 
+    supports_tiles = True  # forward/backward take sparse tile lists (``tiles=``), see the module docstring
+
     def __init__(self, max_scores: int = 1 << 25, fused: bool = True, max_rows: int = 128) -> None:
         if max_scores < 1 or max_rows < 1:
             raise ValueError(f"max_scores and max_rows must be positive, got {max_scores} and {max_rows}")
@@ -153,44 +160,59 @@ class TorchBlockOp:
             s5[..., full:visible].masked_fill_(masked, float("-inf"))
         return s
 
-    def forward(self, q, k, v, q_pos, k_pos, scale):
+    def _tile_mask(self, tiles, q_pos, k_pos, start, end, visible, B, H, Hkv):
+        """Bool [B, Hkv, G*C, visible] of the pairs ``tiles`` allows for query rows [start, end) (None: causal)."""
+        if tiles is None:
+            return None
+        from mtraining_kernels.reference import tile_lists_mask
+
+        m = tile_lists_mask(tiles, q_pos, k_pos, rows=(start, end))[..., :visible]
+        C = end - start
+        return m.expand(B, H, C, visible).reshape(B, Hkv, (H // Hkv) * C, visible)
+
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None):
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
         G = H // Hkv
         adt = acc_dtype(q.dtype)
         out = torch.zeros(B, H, Sq, D, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, Sq), float("-inf"), dtype=adt, device=q.device)
         q5 = q.contiguous().view(B, Hkv, G, Sq, D)
-        if self._use_fused(q):
-            for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
-                if visible == 0:
-                    continue
-                C = end - start
-                qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D)
-                mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qc, k[:, :, :visible], v[:, :, :visible], attn_mask=mask, scale=scale
-                )
-                out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.reshape(B, Hkv, G, C, D)
-                lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = l.reshape(B, Hkv, G, C)
-            # the fused kernel reports lse 0 (and out 0) for rows that see no key; the protocol says -inf
-            lse[..., q_pos < k_pos[0]] = float("-inf")
-            return out, lse
-        kf, vf = k.to(adt), v.to(adt)
+        fused = self._use_fused(q)
+        kf, vf = (k, v) if fused else (k.to(adt), v.to(adt))
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
             C = end - start
-            qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
-            s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
-            blk_lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
-            safe = torch.where(torch.isfinite(blk_lse), blk_lse, torch.zeros_like(blk_lse))
-            p = torch.exp(s - safe.unsqueeze(-1))
-            o = torch.matmul(p, vf[:, :, :visible])
-            out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.view(B, Hkv, G, C, D).to(q.dtype)
-            lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = blk_lse.view(B, Hkv, G, C)
+            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if allowed is not None and not bool(allowed.any()):
+                continue  # nothing of this chunk is in the pattern
+            if fused:
+                qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D)
+                if allowed is None:
+                    mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
+                else:
+                    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qc, k[:, :, :visible], v[:, :, :visible], attn_mask=mask, scale=scale
+                )
+                if allowed is not None:  # the fused kernel reports lse 0 (and out 0) for rows that see no key
+                    l = l.masked_fill(~allowed.any(-1), float("-inf"))
+            else:
+                qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
+                s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+                if allowed is not None:
+                    s = s.masked_fill(~allowed, float("-inf"))
+                l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
+                safe = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+                o = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vf[:, :, :visible])
+            out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.reshape(B, Hkv, G, C, D).to(q.dtype)
+            lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = l.reshape(B, Hkv, G, C).to(adt)
+        if fused and tiles is None:
+            # the fused kernel reports lse 0 (and out 0) for rows that see no key; the protocol says -inf
+            lse[..., q_pos < k_pos[0]] = float("-inf")
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None):
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
         G = H // Hkv
         adt = acc_dtype(q.dtype)
@@ -198,7 +220,7 @@ class TorchBlockOp:
         dk = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
         dv = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
         if self._use_fused(q):
-            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv)
+            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles)
         kf, vf = k.to(adt), v.to(adt)
         delta = (dout.to(adt) * out.to(adt)).sum(-1)  # [B, H, Sq]
         q5, do5 = q.view(B, Hkv, G, Sq, D), dout.view(B, Hkv, G, Sq, D)
@@ -206,12 +228,17 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
+            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if allowed is not None and not bool(allowed.any()):
+                continue
             C = end - start
             qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
             doc = do5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
             lc = lse4[:, :, :, start:end].reshape(B, Hkv, G * C, 1).to(adt)
             dc = delta4[:, :, :, start:end].reshape(B, Hkv, G * C, 1)
             s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - torch.where(torch.isfinite(lc), lc, torch.zeros_like(lc)))
             dv[:, :, :visible] += torch.matmul(p.transpose(-1, -2), doc)
             dp = torch.matmul(doc, vf[:, :, :visible].transpose(-1, -2))
@@ -220,7 +247,7 @@ class TorchBlockOp:
             dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qc)
         return dq, dk, dv
 
-    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv):
+    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None):
         B, H, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         G = H // Hkv
@@ -231,9 +258,15 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
+            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if allowed is not None and not bool(allowed.any()):
+                continue
             C = end - start
             rows = lambda t: t[:, :, :, start:end].reshape(B, Hkv, G * C, *t.shape[4:])  # noqa: E731
-            mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
+            if allowed is None:
+                mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
+            else:
+                mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
             dq_c, dk_c, dv_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 rows(do5), rows(q5), k[:, :, :visible], v[:, :, :visible], rows(o5), rows(lse5), 0.0, False,
                 attn_mask=mask, scale=scale,

@@ -245,12 +245,14 @@ class _Probe:
 
 def _resolve(q, k, group, layout, block_size, seq_len, scale, what):
     cp_rank, cp_size = _group_rank_size(group)
+    if group is None and cp_size > 1:
+        group = dist.group.WORLD
     _validate_inputs(q, k, layout, block_size, cp_size, what)
     n_total = q.shape[2] * cp_size
     lens = _seq_lens(seq_len, q.shape[0], n_total, what)
     _check_group_shapes(q, k, lens, group, cp_size, what)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return cp_rank, cp_size, n_total, lens, scale
+    return group, cp_rank, cp_size, n_total, lens, scale
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -365,7 +367,8 @@ def estimate_pattern(
     what = "estimate_pattern"
     if not isinstance(config, SparsityConfig):
         raise TypeError(f"{what}: config must be a SparsityConfig, got {type(config).__name__}")
-    cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale, what)
+    group, cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale,
+                                                              what)
     n = config.last_q
     if n > min(lens):
         raise ValueError(
@@ -477,7 +480,8 @@ def attention_recall(
     what = "attention_recall"
     if not isinstance(pattern, VerticalSlashPattern):
         raise TypeError(f"{what}: pattern must be a VerticalSlashPattern, got {type(pattern).__name__}")
-    cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale, what)
+    group, cp_rank, cp_size, n_total, lens, scale = _resolve(q, k, group, layout, block_size, seq_len, scale,
+                                                              what)
     B, H = q.shape[:2]
     Hkv = k.shape[1]
     pattern.validate(n_total, H, Hkv, batch_size=B)

@@ -46,14 +46,33 @@ import torch.distributed as dist
 
 from lightning_mtraining.attention_ops import (
     BlockAttentionOp,
+    TorchBlockOp,
     acc_dtype,
     default_block_op,
     default_scale,
     merge_attention,
 )
+from lightning_mtraining.estimation import estimate_pattern
 from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
+from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
+from mtraining_kernels.indexing import (
+    TileLists,
+    check_tile_aligned,
+    lists_have_work,
+    prepare_pattern_tiles,
+    step_tile_lists,
+)
 
-__all__ = ["RingTopology", "backward_step", "forward_step", "resolve_topology", "ring_attention"]
+__all__ = [
+    "RingTopology",
+    "StepLists",
+    "backward_step",
+    "build_step_lists",
+    "forward_step",
+    "resolve_pattern",
+    "resolve_topology",
+    "ring_attention",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,34 +178,70 @@ def _walk(kv: torch.Tensor, topo: RingTopology) -> Iterator[tuple[int, torch.Ten
             outer_kv = outer_pending.wait()
 
 
-def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: float):
+class StepLists:
+    """What each ring step computes under a sparse pattern: the tile lists per source CP rank (None: dense ring).
+
+    ``lists[src]`` are this rank's queries against rank ``src``'s key chunk (:func:`step_tile_lists`), built once per
+    layer in the forward and reused by the backward; ``skip[src]`` is True when they hold no pair at all, and the
+    step then computes nothing (its K/V still travel on, for the ranks after it).
+    """
+
+    def __init__(self, lists: dict[int, TileLists], skip: dict[int, bool]) -> None:
+        self.lists, self.skip = lists, skip
+
+    def for_source(self, src: int) -> tuple[TileLists | None, bool]:
+        return self.lists.get(src), self.skip.get(src, False)
+
+
+def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: float, tiles=None, skip=False):
     """One ring step of the forward: attend to ``kv_chunk`` and merge into ``state = (out, lse)`` (or start it).
 
+    ``tiles``: the step's sparse lists (None: dense causal); ``skip``: the step has no allowed pair, nothing runs.
     Shared by the real ring and :mod:`lightning_mtraining.simulated`, so both have the same numerics.
     """
-    blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale)
+    adt = acc_dtype(q.dtype)
+    if skip:
+        if state is None:
+            return (torch.zeros(q.shape, dtype=adt, device=q.device),
+                    torch.full(q.shape[:3], float("-inf"), dtype=adt, device=q.device))
+        return state
+    if tiles is None:
+        blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale)
+    else:
+        blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, tiles=tiles)
     if state is None:  # step (0, 0): this rank's own chunk
-        adt = acc_dtype(q.dtype)
         return blk_out.to(adt), blk_lse.to(adt)
     return merge_attention(state[0], state[1], blk_out, blk_lse)
 
 
-def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, k_pos, scale: float) -> torch.Tensor:
+def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, k_pos, scale: float, tiles=None,
+                  skip=False) -> torch.Tensor:
     """One ring step of the backward: adds this block's dq into ``dq``, returns its packed ``[2, ...]`` dK/dV."""
     adt = acc_dtype(q.dtype)
-    dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale)
+    if skip:
+        return torch.zeros((2, *kv_chunk.shape[1:]), dtype=adt, device=q.device)
+    if tiles is None:
+        dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale)
+    else:
+        dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale, tiles=tiles)
     dq += dq_b
     return torch.stack([dk_b.to(adt), dv_b.to(adt)])
 
 
-def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float):
+def _step(plan: StepLists | None, src: int) -> tuple[TileLists | None, bool]:
+    return (None, False) if plan is None else plan.for_source(src)
+
+
+def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float, plan=None):
     state = None
     for src, cur in _walk(kv, topo):
-        state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale)
+        tiles, skip = _step(plan, src)
+        state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip)
     return state
 
 
-def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: BlockAttentionOp, scale: float):
+def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: BlockAttentionOp, scale: float,
+                   plan=None):
     adt = acc_dtype(q.dtype)
     q_pos = positions[topo.cp_rank]
     dq = torch.zeros(q.shape, dtype=adt, device=q.device)
@@ -201,7 +256,9 @@ def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Blo
         dkv = None
         for si in range(Wi):
             kv_pending = _inner(topo, cur) if si < Wi - 1 else None
-            dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[topo.source(so, si)], scale)
+            src = topo.source(so, si)
+            tiles, skip = _step(plan, src)
+            dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[src], scale, tiles, skip)
             if inner_dkv is not None:  # what the previous ranks of the inner ring accumulated for this chunk
                 dkv += inner_dkv.wait()
             if Wi > 1:  # on to the next rank; after the last step this returns the chunk to its starter
@@ -224,19 +281,20 @@ def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Blo
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, positions, op, scale):
+    def forward(ctx, q, k, v, topo, positions, op, scale, plan):
         kv = torch.stack([k, v])
-        out_acc, lse = _ring_forward(q, kv, topo, positions, op, scale)
+        out_acc, lse = _ring_forward(q, kv, topo, positions, op, scale, plan)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.topo, ctx.positions, ctx.op, ctx.scale = topo, positions, op, scale
+        ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan = topo, positions, op, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale)
-        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale,
+                                    ctx.plan)
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,6 +336,84 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, bl
         )
 
 
+@functools.lru_cache(maxsize=64)
+def _check_sparse_layout(n: int, cp_size: int, layout: str, block_size: int, tile: int) -> None:
+    """Sparse rings run T x T tiles: every rank's shard must hold whole, aligned global tiles (checked on the host,
+    once per layout)."""
+    for r in range(cp_size):
+        pos = global_positions(n, r, cp_size, layout, block_size)
+        if not check_tile_aligned(pos, tile):
+            hint = {
+                "striped": f"use block_size a multiple of the tile ({tile})",
+                "contiguous": f"pad the sequence to a multiple of {cp_size * tile} (cp_size x tile)",
+                "zigzag": f"pad the sequence to a multiple of {2 * cp_size * tile} (2 x cp_size x tile)",
+            }[layout]
+            raise ValueError(
+                f"sparse ring attention runs {tile} x {tile} tiles, but the {layout} layout (block_size={block_size}) "
+                f"of {n} tokens on {cp_size} ranks does not give rank {r} whole tiles: {hint}, or change "
+                "SparsityConfig.tile_size / the pattern's tile_size"
+            )
+
+
+def resolve_pattern(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sparsity: SparsityConfig | VerticalSlashPattern,
+    *,
+    group: dist.ProcessGroup | None,
+    cp_size: int,
+    layout: str,
+    block_size: int,
+    seq_len=None,
+    scale: float | None = None,
+    layer_idx: int | None = None,
+) -> VerticalSlashPattern:
+    """The layer's global pattern: estimated online from a ``SparsityConfig``, or a given pattern, validated."""
+    n = q.shape[2] * cp_size
+    if isinstance(sparsity, SparsityConfig):
+        pattern = estimate_pattern(q, k, sparsity, group=group, layout=layout, block_size=block_size,
+                                   seq_len=seq_len, scale=scale, layer_idx=layer_idx)
+    elif isinstance(sparsity, VerticalSlashPattern):
+        pattern = sparsity.to(q.device) if sparsity.device != q.device else sparsity
+        pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
+    else:
+        raise TypeError(
+            f"sparsity must be None (dense ring attention), a SparsityConfig (estimated online) or a "
+            f"VerticalSlashPattern (used as given); got {type(sparsity).__name__}"
+        )
+    if cp_size > 1:
+        _check_sparse_layout(n, cp_size, layout, block_size, pattern.tile_size)
+    return pattern
+
+
+def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sources, num_heads: int,
+                     num_kv_heads: int, n: int) -> StepLists:
+    """This rank's lists for every ring step (queries at ``positions[cp_rank]`` against each source's keys).
+
+    One host sync for the pattern's list widths and one for which steps have any work."""
+    full = pattern.expand(num_heads, num_kv_heads)
+    pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size)
+    q_pos = positions[cp_rank]
+    lists = {src: step_tile_lists(pt, q_pos, positions[src]) for src in sources}
+    work = torch.stack([lists_have_work(lists[src]) for src in sources]).tolist()
+    return StepLists(lists, {src: not w for src, w in zip(sources, work)})
+
+
+def _sparse_op(op: BlockAttentionOp | None, device: torch.device, tile: int) -> BlockAttentionOp:
+    if op is None:
+        if device.type == "cuda":
+            from mtraining_kernels.vertical_slash import TritonBlockOp
+
+            return TritonBlockOp(tile, tile)
+        return TorchBlockOp()
+    if not getattr(op, "supports_tiles", False):
+        raise ValueError(
+            f"sparse ring attention needs a block op that takes tile lists (supports_tiles = True); {op!r} computes "
+            "dense blocks only. Pass op=None for the default (the Triton kernels on CUDA, torch elsewhere)"
+        )
+    return op
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -286,39 +422,58 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "striped",
     block_size: int = 128,
-    sparsity=None,
+    sparsity: SparsityConfig | VerticalSlashPattern | None = None,
     inner_group: dist.ProcessGroup | None = None,
     outer_group: dist.ProcessGroup | None = None,
     scale: float | None = None,
     op: BlockAttentionOp | None = None,
+    seq_len=None,
+    layer_idx: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query shard against the whole (sharded) sequence.
 
     Args:
         q: ``[B, H, S, D]`` this rank's queries, in ``layout``.
         k, v: ``[B, Hkv, S, D]`` this rank's keys/values (H divisible by Hkv; never repeated).
-        group: the CP process group (default: the default group; none initialised means world size 1).
+        group: the CP process group (default: the default group; none initialised means world size 1). Sparse
+            attention with a hierarchical ring needs it (the pattern is estimated over the whole CP group).
         layout, block_size: how the sequence was sharded (:mod:`lightning_mtraining.layouts`).
-        sparsity: a ``SparsityConfig`` for sparse ring attention, or None for dense (exact) attention.
+        sparsity: ``None`` for dense (exact) ring attention; a :class:`SparsityConfig` to estimate the pattern
+            online (:func:`~lightning_mtraining.estimation.estimate_pattern`); a :class:`VerticalSlashPattern` to use
+            as given. Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx,
+            block_size=p.tile_size)`` on the unsharded tensors; every shard must hold whole T x T tiles (striped:
+            ``block_size`` a multiple of T).
         inner_group, outer_group: intra-node and inter-node rings for hierarchical ring attention; CP ranks
             must be numbered ``outer_rank * inner_size + inner_rank``.
         scale: softmax scale, default ``1 / sqrt(D)``.
-        op: the per-block attention op (default: FlexAttention on CUDA, chunked torch elsewhere).
+        op: the per-block attention op (default: FlexAttention on CUDA and chunked torch elsewhere for dense; the
+            Triton vertical-slash kernels on CUDA for sparse).
+        seq_len: the real length before padding (int or one per batch row), for the estimator's probes.
+        layer_idx: the layer, for per-layer budgets of a ``SparsityConfig``.
 
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.
     """
-    if sparsity is not None:
-        raise NotImplementedError(
-            "sparse ring attention (sparsity=SparsityConfig(...)) is not implemented yet: it needs the online "
-            "vertical-slash pattern estimator and the sparse ring on top of the Triton kernels; pass sparsity=None "
-            "for exact dense ring attention"
-        )
     topo = resolve_topology(group, inner_group, outer_group)
     _validate(q, k, v, layout, block_size, topo.cp_size)
     scale = default_scale(q.shape[-1], scale)
-    op = default_block_op(q.device) if op is None else op
-    positions = _positions(q.shape[2] * topo.cp_size, topo.cp_size, layout, block_size, q.device)
-    if topo.cp_size == 1 and hasattr(op, "differentiable"):
-        return op.differentiable(q, k, v, positions[0], positions[0], scale)
-    return _RingAttention.apply(q, k, v, topo, positions, op, scale)
+    n = q.shape[2] * topo.cp_size
+    positions = _positions(n, topo.cp_size, layout, block_size, q.device)
+    if sparsity is None:
+        op = default_block_op(q.device) if op is None else op
+        if topo.cp_size == 1 and hasattr(op, "differentiable"):
+            return op.differentiable(q, k, v, positions[0], positions[0], scale)
+        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None)
+    if topo.cp_size > 1 and group is None and topo.outer_size > 1:
+        raise ValueError(
+            "sparse hierarchical ring attention needs group= (the whole CP group, for the pattern estimator) "
+            "besides inner_group and outer_group"
+        )
+    est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
+    pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
+                              block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx)
+    op = _sparse_op(op, q.device, pattern.tile_size)
+    plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n)
+    if topo.cp_size == 1 and hasattr(op, "differentiable") and not plan.skip[0]:
+        return op.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0])
+    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan)

@@ -23,7 +23,16 @@ import torch
 
 from lightning_mtraining.attention_ops import BlockAttentionOp, default_block_op, default_scale
 from lightning_mtraining.layouts import layout_unit, shard_sequence
-from lightning_mtraining.ring import RingTopology, _positions, backward_step, forward_step
+from lightning_mtraining.pattern import VerticalSlashPattern
+from lightning_mtraining.ring import (
+    RingTopology,
+    _check_sparse_layout,
+    _positions,
+    _sparse_op,
+    backward_step,
+    build_step_lists,
+    forward_step,
+)
 
 __all__ = ["SimulatedRing"]
 
@@ -38,6 +47,8 @@ class SimulatedRing:
         op: per-block attention op (default as in :func:`~lightning_mtraining.ring.ring_attention`).
         scale: softmax scale (default ``1/sqrt(D)``).
         time_steps: record each (rank, step) compute time in :attr:`timings` (CUDA events on GPU).
+        pattern: a global :class:`~lightning_mtraining.pattern.VerticalSlashPattern` for the sparse ring (None: dense);
+            each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per rank).
     """
 
     def __init__(
@@ -49,13 +60,15 @@ class SimulatedRing:
         op: BlockAttentionOp | None = None,
         scale: float | None = None,
         time_steps: bool = False,
+        pattern: VerticalSlashPattern | None = None,
     ) -> None:
         inner_size = world_size if inner_size is None else inner_size
         if world_size < 1 or inner_size < 1 or world_size % inner_size:
             raise ValueError(f"inner_size {inner_size} must be positive and divide world_size {world_size}")
         self.world_size, self.layout, self.block_size = world_size, layout, block_size
         self.inner_size, self.outer_size = inner_size, world_size // inner_size
-        self.op, self.scale, self.time_steps = op, scale, time_steps
+        self.op, self.scale, self.time_steps, self.pattern = op, scale, time_steps, pattern
+        self.step_lists: list = []
         self.topos = [
             RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
         ]
@@ -92,16 +105,28 @@ class SimulatedRing:
         layout_unit(self.layout, W, self.block_size)
         shard = lambda x, r: shard_sequence(x, 2, r, W, self.layout, self.block_size)  # noqa: E731
         scale = default_scale(q.shape[-1], self.scale)
-        op = default_block_op(q.device) if self.op is None else self.op
         pos = _positions(n, W, self.layout, self.block_size, q.device)
+        if self.pattern is None:
+            op = default_block_op(q.device) if self.op is None else self.op
+            self.step_lists = [None] * W
+        else:
+            pattern = self.pattern.to(q.device)
+            pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
+            if W > 1:
+                _check_sparse_layout(n, W, self.layout, self.block_size, pattern.tile_size)
+            op = _sparse_op(self.op, q.device, pattern.tile_size)
+            self.step_lists = [build_step_lists(pattern, pos, r, topo.sources(), q.shape[1], k.shape[1], n)
+                               for r, topo in enumerate(self.topos)]
         qs = [shard(q, r) for r in range(W)]
         kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
         states = []
         for r, topo in enumerate(self.topos):
             state = None
+            plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
+                tiles, skip = (None, False) if plan is None else plan.for_source(src)
                 with self._timed((r, step, "fwd"), q.device):
-                    state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale)
+                    state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale, tiles, skip)
             states.append(state)
         self._collect()
         outs = [s[0].to(q.dtype) for s in states]
@@ -117,10 +142,13 @@ class SimulatedRing:
         dqs, contrib = [], {}
         for r, topo in enumerate(self.topos):
             dq = torch.zeros(qs[r].shape, dtype=lses[r].dtype, device=qs[r].device)
+            plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
+                tiles, skip = (None, False) if plan is None else plan.for_source(src)
                 with self._timed((r, step, "bwd"), qs[r].device):
                     contrib[(r, step)] = backward_step(
-                        dq, op, qs[r], kvs[src], outs[r], lses[r], douts[r].contiguous(), pos[r], pos[src], scale
+                        dq, op, qs[r], kvs[src], outs[r], lses[r], douts[r].contiguous(), pos[r], pos[src], scale,
+                        tiles, skip,
                     )
             dqs.append(dq.to(qs[r].dtype))
         self._collect()

@@ -215,7 +215,7 @@ def test_bad_inputs_are_clear_errors():
         ring_attention(q, k, v, layout="ring")
     with pytest.raises(ValueError, match="needs both inner_group"):
         ring_attention(q, k, v, block_size=4, inner_group=object())
-    with pytest.raises(NotImplementedError, match="sparse ring attention"):
+    with pytest.raises(TypeError, match="sparsity must be None .* a SparsityConfig .* or a VerticalSlashPattern"):
         ring_attention(q, k, v, block_size=4, sparsity=object())
 
 
