@@ -51,11 +51,11 @@ step's work is one entry of :func:`ring_work`'s matrix, verticals counted when t
 with the selected vertical columns all-gathered once per layer, the vertical pairs of all chunks form one extra
 step and the ring steps carry tile work only.
 
-Cost, measured on the 2-core CPU machine (torch 2.13.0+cpu, shared with other jobs; median of 5): a whole
-Qwen2.5-3B-sized pattern (B = 1, G = 576 rows = 36 layers x 16 heads, the realistic synthetic budgets of
-``benchmarks/imbalance.py``: ~1250 verticals and ~3600 slashes per row on average) at N = 1,048,576, T = 128,
-W = 64: ``ring_work`` 0.42 s striped, 0.31 s zigzag, 0.32 s contiguous; ``ring_step_work`` the same (flat,
-hierarchical 8 x 8, gathered); ``allowed_pairs`` 0.14 s.
+Cost, measured on the 2-core CPU machine (torch 2.13.0+cpu, shared with other jobs; medians of 5, two sessions):
+a whole Qwen2.5-3B-sized pattern (B = 1, G = 576 rows = 36 layers x 16 heads, ``synthetic_pattern(1048576, 0.02)``
+of ``benchmarks/imbalance.py``: ~1250 verticals and ~3600 slashes per row on average) at N = 1,048,576, T = 128,
+W = 64: ``ring_work`` 0.42-0.53 s striped, 0.31-0.32 s zigzag, 0.25-0.32 s contiguous; ``ring_step_work`` the
+same or less (flat, hierarchical 8 x 8, gathered); ``allowed_pairs`` 0.14-0.25 s.
 """
 
 from __future__ import annotations
