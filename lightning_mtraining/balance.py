@@ -114,12 +114,17 @@ def _unique_verticals(vertical: torch.Tensor, seq_len: int) -> tuple[torch.Tenso
     return rows[keep], vs[keep]
 
 
-def _offset_prefix(comp: torch.Tensor) -> torch.Tensor:
-    """Int64 [R, NT + 1]: entry x + 1 counts the computed offsets u with 1 <= u <= x (x = -1 .. NT-1)."""
+def _later_offsets(comp: torch.Tensor) -> torch.Tensor:
+    """The computed offsets ``comp [R, NT]`` without offset 0: those that cover a vertical's later query tiles."""
     later = comp.clone()
     later[:, 0] = False
+    return later
+
+
+def _offset_prefix(comp: torch.Tensor) -> torch.Tensor:
+    """Int64 [R, NT + 1]: entry x + 1 counts the computed offsets u with 1 <= u <= x (x = -1 .. NT-1)."""
     out = torch.zeros(comp.shape[0], comp.shape[1] + 1, dtype=torch.int64, device=comp.device)
-    out[:, 1:] = later.cumsum(1)
+    out[:, 1:] = _later_offsets(comp).cumsum(1)
     return out
 
 
@@ -175,7 +180,9 @@ def _check_alignment(seq_len: int, cp_size: int, layout: str, block_size: int, T
         )
 
 
-def _tile_owners(seq_len: int, cp_size: int, layout: str, block_size: int, T: int, device) -> tuple[torch.Tensor, int]:
+def _tile_owners(
+    seq_len: int, cp_size: int, layout: str, block_size: int, T: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """(owner [NT]: the CP rank holding each tile, lam: tiles per layout block), after checking alignment.
 
     A layout block is the run of lam consecutive tiles the layout places as one piece: a striped block (lam = c),
@@ -242,14 +249,12 @@ def _covered_by_tiles(
     """[W, W]: over all verticals (``hist [R, NT]`` per row and key tile t), the later query tiles t + u whose
     offset u >= 1 is computed in the vertical's row, by (query rank, key rank). Integer matmuls over tiles."""
     R, NT = comp.shape
-    later = comp.clone()
-    later[:, 0] = False
     if striped:
         # Key tile t = i*P + a: offsets u = j*P + d <= NT-1-t number, per residue d, the computed ones with
         # j <= J-1-i when a + d < P, and j <= J-2-i otherwise (prefix counts over j, read back to front).
         P = lam * cp_size
         J = NT // P
-        by_j = later.view(R, J, P).long().cumsum(1).flip(1)  # [R, i, d]: computed u of residue d, j <= J-1-i
+        by_j = _later_offsets(comp).view(R, J, P).long().cumsum(1).flip(1)  # [R, i, d]: computed u of residue d, j <= J-1-i
         next_j = torch.zeros_like(by_j)
         next_j[:, :-1] = by_j[:, 1:]  # j <= J-2-i
         h = hist.view(R * J, P).T  # [a, (row, i)]
@@ -259,7 +264,7 @@ def _covered_by_tiles(
     # Blocks of lam tiles: vertical at t = A*lam + tau, query block k = A + kappa - 1 ends at boundary
     # (A + kappa)*lam, and the computed u <= (A + kappa)*lam - 1 - t number prefix[(kappa-1)*lam + lam-1-tau].
     nb = NT // lam
-    prefix = later.long().cumsum(1).view(R, nb, lam).flip(-1)  # [R, kappa - 1, tau]
+    prefix = _offset_prefix(comp)[:, 1:].reshape(R, nb, lam).flip(-1)  # [R, kappa - 1, tau]
     h = hist.view(R, nb, lam)  # [R, A, tau]
     upto = torch.zeros(nb, nb + 1, dtype=torch.int64, device=comp.device)  # [A, kappa]; kappa = 0: nothing
     step = max(1, _CHUNK // (nb * nb))
@@ -317,7 +322,7 @@ def ring_work(
     return tiles + verts
 
 
-def _ring_sources(cp_size: int, inner_size: int | None, device) -> torch.Tensor:
+def _ring_sources(cp_size: int, inner_size: int | None, device: torch.device) -> torch.Tensor:
     """Int64 [W, W]: entry [r, k] is the CP rank whose K/V chunk rank r computes at ring step k."""
     # Imported here: ring.py pulls in torch.distributed and the attention ops, which counting does not need.
     from lightning_mtraining.ring import RingTopology
