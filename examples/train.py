@@ -32,13 +32,7 @@ import json
 import math
 import os
 import time
-
-import lightning as L
-import torch
-from lightning.pytorch.loggers import CSVLogger
-
-from lightning_mtraining import MTrainingStrategy, data  # importing lightning_mtraining registers "mtraining"
-from lightning_mtraining.metrics import AttentionDensity, TokenPerplexity, TokensPerSecond, TokenWeightedLoss
+import warnings
 
 # Shapes of the model sizes (random init; the vocabulary is always the corpus' byte-level one).
 # hidden, layers, attention heads, KV heads, MLP width. The larger ones follow Qwen2.5 0.5B / 1.5B / 3B.
@@ -49,7 +43,7 @@ MODEL_SIZES = {
     "1.5b": (1536, 28, 12, 2, 8960),
     "3b": (2048, 36, 16, 2, 11008),
 }
-VOCAB_SIZE = 8 * math.ceil(data.VOCAB_SIZE / 8)  # 264: byte tokens + specials, rounded for tidy matmuls
+VOCAB_SIZE = 264  # the corpus' 258 ids (data.VOCAB_SIZE: bytes + specials) rounded up to 8 for tidy matmuls
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=128, help="striped layout block (tokens)")
     p.add_argument(
         "--sparsity", default="none",
-        help="'none' (dense ring attention), 'topk:V,S' (V verticals, S slashes per head) or 'topp:P'",
+        help="'none' (dense ring attention), 'topk:V,S' (V verticals, S slashes per head) or 'topp:P'.\n"
+        "NOT AVAILABLE YET: sparse ring attention is being built; any other value than 'none' stops at once",
     )
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
@@ -81,6 +76,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="lightning_logs")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # Parse before the heavy imports below (torch, Lightning, transformers: seconds, more on a cold cache), so
+    # --help and argument errors answer at once. main() parses again; it is cheap.
+    parse_args()
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
+from lightning_mtraining.metrics import (  # noqa: E402
+    AttentionDensity,
+    TokenPerplexity,
+    TokensPerSecond,
+    TokenWeightedLoss,
+)
+
+assert VOCAB_SIZE >= data.VOCAB_SIZE
+
+
+def quiet_known_warnings() -> None:
+    """Silence two warnings that say nothing a user of this script can act on (every rank would print them)."""
+    # torch 2.13 deprecates isinstance checks against LeafSpec, and Lightning 2.6.6 still makes one
+    # (lightning/pytorch/utilities/_pytree.py) when it flattens batches; Lightning's to fix, not ours.
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+    # Lightning warns that an IterableDataset's __len__ may be wrong with several DataLoader workers unless each
+    # worker reads its own share: litdata's StreamingDataset splits its chunks over workers itself.
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
 def parse_sparsity(spec: str):
@@ -128,8 +155,9 @@ class CausalLMModule(L.LightningModule):
 
     The loss is the model's (``self.model(**batch).loss``); the strategy makes it the exact value of the
     full sequence. The metrics only turn that loss into world-exact logged numbers: each rank adds
-    ``loss x n / cp_size`` and ``n / cp_size``, where ``n`` is the number of target tokens of the sequence
-    it shares with its CP group, so the world sums are ``sum over DP groups of loss x n`` and ``sum of n``.
+    ``loss x n`` and ``n``, where ``n`` is the number of target tokens it holds (its shard's, under context
+    parallelism: ``causal_lm_targets`` lines them up), so the world sums are the sum of token losses and the
+    number of target tokens, under any strategy.
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -154,20 +182,13 @@ class CausalLMModule(L.LightningModule):
             strategy=self.trainer.strategy, num_workers=self.args.num_workers, seed=self.args.seed,
         )
 
-    def _target_count(self, batch: dict) -> tuple[int, int]:
-        """(target tokens of the full sequences this rank works on, ranks sharing them)."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, MTrainingStrategy):  # the batch was sharded over the CP group: global count
-            return strategy.plan.current.num_targets["labels"], strategy.cp_size
-        return int((batch["labels"][:, 1:] != -100).sum()), 1  # unsharded: Hugging Face shifts locally
-
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._step_start = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
-        count, cp_size = self._target_count(batch)
-        loss_sum, n = loss.detach().double() * count / cp_size, count / cp_size
+        n = (causal_lm_targets(batch) != -100).sum()  # target tokens this rank holds
+        loss_sum = loss.detach().double() * n
         self._step_loss = self.train_loss(loss_sum, n)  # forward: this step's world value
         self.train_ppl(loss_sum, n)
         self.log("loss", self.train_loss, prog_bar=True)
@@ -227,10 +248,13 @@ def make_strategy(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    L.seed_everything(args.seed, workers=True)
+    quiet_known_warnings()
+    strategy = make_strategy(args)  # bad strategy arguments (e.g. --sparsity while unavailable) stop here
     # Idempotent and safe on every rank (file lock + atomic rename): the launcher's child processes
-    # re-run this script and find the corpus already built.
-    args.data_dir = str(data.build_stdlib_corpus(args.data_dir))
+    # re-run this script and find the corpus already built (and print nothing).
+    args.data_dir = str(data.build_stdlib_corpus(args.data_dir, verbose=True))
+    # Seeded after the build, which leaves the generators alone anyway: same seed, same model, every run.
+    L.seed_everything(args.seed, workers=True)
     if args.accelerator == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.devices)))
 
@@ -240,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
+        strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
         gradient_clip_val=args.grad_clip,

@@ -7,7 +7,7 @@ Layers, lowest first (imports only point down):
   :mod:`.ring` (flat and hierarchical ring attention), :mod:`.simulated` (single-process ring),
   :mod:`.sparse` (single-device sparse attention), :mod:`.pattern` (online pattern estimation).
 - integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
-  :mod:`.data`, :mod:`.metrics`.
+  :mod:`.data`, :mod:`.metrics`, :mod:`.losses`.
 
 Importing this package registers the strategy name ``"mtraining"`` with the Trainer and Fabric
 strategy registries (Lightning has no entry point for strategies).
@@ -33,10 +33,13 @@ __all__ += ["sparse_attention"]
 # Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.fabric import MTrainingFabricStrategy
+from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets
 from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.strategy import MTrainingStrategy
 
 __all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback", "SparsityConfig"]
+# Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
+__all__ += ["causal_lm_loss", "causal_lm_targets"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.

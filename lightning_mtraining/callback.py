@@ -5,6 +5,9 @@ dense, budgets per layer). It only holds options: :class:`~lightning_mtraining.s
 reads it in ``setup``, after ``configure_model``, so models built there are covered. With Fabric, pass it to
 ``MTrainingFabricStrategy(attention=...)``.
 
+Not usable yet: sparse ring attention is being built, and until it lands a callback that asks for sparsity on
+any layer is refused before the run starts (NotImplementedError from the strategy).
+
 Example::
 
     trainer = Trainer(

@@ -57,6 +57,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -65,6 +66,8 @@ import numpy as np
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 from litdata.utilities.env import _DistributedEnv
+
+from lightning_mtraining._rng import preserved_rng_states
 
 __all__ = [
     "BYTE_VOCAB",
@@ -183,13 +186,32 @@ class _PackageEncoder:
     chunks, and the 17 MB ``test`` package would otherwise make one oversized chunk.
     """
 
-    def __init__(self, root: str, packages: list[tuple[str, list[str]]], piece_tokens: int) -> None:
+    def __init__(
+        self,
+        root: str,
+        packages: list[tuple[str, list[str]]],
+        piece_tokens: int,
+        progress: bool = False,
+        started: float = 0.0,
+    ) -> None:
         self.root = root
         self.packages = packages
         self.piece_tokens = piece_tokens
+        self.progress = progress
+        self.started = started  # time.time() of the build's start (wall clock: this runs in a worker process)
+        self._tokens = 0
 
     def __call__(self, index: int) -> Iterator[np.ndarray]:
         tokens = encode_package(self.root, self.packages[index][1])
+        self._tokens += len(tokens)
+        total = len(self.packages)
+        # About ten lines per build: every tenth of the packages, and the last one.
+        if self.progress and ((index + 1) % max(1, total // 10) == 0 or index + 1 == total):
+            print(
+                f"  corpus: {index + 1}/{total} packages, {self._tokens / 1e6:.1f}M tokens, "
+                f"{time.time() - self.started:.0f} s",
+                flush=True,
+            )
         for start in range(0, len(tokens), self.piece_tokens):
             yield tokens[start : start + self.piece_tokens]
 
@@ -233,6 +255,9 @@ def build_stdlib_corpus(
     at once: a file lock serialises builders, and the build is written to a temporary folder that is
     renamed into place, so readers never see half a corpus. Deterministic: sorted packages and
     files, one litdata worker, ordered writing, so the same sources give byte-identical chunks.
+    The caller's random generators are left as they were (litdata's ``optimize`` seeds Python's,
+    NumPy's and torch's with 42): a run that builds the corpus draws the same model initialisation
+    and data order from its seed as a run that finds it built.
 
     Args:
         output_dir: where the chunks go (default :func:`default_corpus_dir`).
@@ -241,6 +266,8 @@ def build_stdlib_corpus(
         chunk_tokens: tokens per litdata chunk (the last ``< seq_len`` tokens of each chunk are
             skipped when reading, so keep it much larger than the context length).
         force: rebuild even if an up-to-date build exists.
+        verbose: print progress while building (a line per tenth of the packages; nothing when the
+            corpus is already built).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive; got {chunk_tokens}")
@@ -258,19 +285,31 @@ def build_stdlib_corpus(
             return output_dir
         tmp_dir = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        optimize(
-            fn=_PackageEncoder(str(root), packages, piece_tokens=max(1, chunk_tokens // 8)),
-            inputs=list(range(len(packages))),
-            output_dir=str(tmp_dir),
-            chunk_size=chunk_tokens,
-            item_loader=TokensLoader(),
-            num_workers=1,
-            keep_data_ordered=True,
-            reorder_files=False,
-            verbose=verbose,
-        )
+        start = time.time()
+        num_files = sum(len(files) for _, files in packages)
+        if verbose:
+            print(
+                f"building the byte-level corpus of {len(packages)} packages ({num_files} files) from {root} "
+                f"into {output_dir} (once; later runs reuse it)",
+                flush=True,
+            )
+        with preserved_rng_states():
+            optimize(
+                fn=_PackageEncoder(str(root), packages, piece_tokens=max(1, chunk_tokens // 8), progress=verbose,
+                                    started=start),
+                inputs=list(range(len(packages))),
+                output_dir=str(tmp_dir),
+                chunk_size=chunk_tokens,
+                item_loader=TokensLoader(),
+                num_workers=1,
+                keep_data_ordered=True,
+                reorder_files=False,
+                verbose=False,
+            )
         index = json.loads((tmp_dir / "index.json").read_text())
         num_tokens = sum(chunk["dim"] for chunk in index["chunks"])
+        if verbose:
+            print(f"corpus built: {num_tokens / 1e6:.1f}M tokens in {time.time() - start:.0f} s", flush=True)
         manifest = {
             "fingerprint": fingerprint,
             "format_version": _FORMAT_VERSION,
@@ -279,7 +318,7 @@ def build_stdlib_corpus(
             "vocab_size": VOCAB_SIZE,
             "chunk_tokens": chunk_tokens,
             "num_packages": len(packages),
-            "num_files": sum(len(files) for _, files in packages),
+            "num_files": num_files,
             "num_tokens": num_tokens,
             "packages": [name for name, _ in packages],
         }

@@ -5,6 +5,9 @@ logic lives in :class:`~lightning_mtraining.strategy.ContextParallelMixin`). Fab
 ``batch_to_device``, so sharding happens in the dataloader: ``fabric.setup_dataloaders(loader)`` returns a
 loader whose batches are already on the device and sharded for this rank (and the DistributedSampler Fabric
 injects uses the data-parallel rank/size). Batches from elsewhere: ``fabric.strategy.shard_batch(batch)``.
+``fabric.backward(loss)`` checks that the loss came through a sharding-aware path (``model(**batch).loss`` or
+:func:`~lightning_mtraining.losses.causal_lm_loss`), and ``fabric.strategy.gather_sequence(logits)`` puts a
+shard's outputs back in global order, unpadded.
 
     fabric = Fabric(strategy=MTrainingFabricStrategy(block_size=128), devices=4)   # or strategy="mtraining"
     fabric.launch()
@@ -32,7 +35,7 @@ from typing_extensions import override
 
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.strategy import ContextParallelMixin, check_context_parallel_args
+from lightning_mtraining.strategy import ContextParallelMixin, check_context_parallel_args, check_sparsity_available
 
 __all__ = ["MTrainingFabricStrategy"]
 
@@ -66,11 +69,15 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             when the CP group spans several nodes (flat ring otherwise).
         layout: token layout of the shards.
         block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
-        sparsity: vertical-slash budgets, or ``None`` for dense (exact) ring attention.
+        sparsity: vertical-slash budgets, or ``None`` for dense (exact) ring attention. Not available in this
+            build yet: raises NotImplementedError at construction while the core's sparse ring is not implemented.
         attention: per-layer options (Fabric has no callbacks the strategy can see, so pass it here).
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: process-group timeout.
         start_method: how Fabric starts processes (as in Fabric's ``DDPStrategy``).
+        loss_check: ``"raise"`` (default), ``"warn"`` or ``"off"``: what ``fabric.backward`` does with a loss
+            that did not come through a sharding-aware path while the sequence is split (see
+            :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
     """
 
@@ -92,9 +99,10 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        loss_check: Literal["raise", "warn", "off"] = "raise",
         **kwargs: Any,
     ) -> None:
-        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size)
+        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -106,8 +114,15 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity)
+        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check)
         self.attention = attention
+        check_sparsity_available(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention))
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called by Fabric's connector once devices and nodes are known: bad sizes fail at Fabric(...).
+        self._check_sizes_before_launch()
+        super()._configure_launcher()
 
     @override
     def _setup_distributed(self) -> None:
@@ -121,6 +136,11 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         if self.attention is not None:
             self.attention.check_layers(module)
         return super().setup_module(module)
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        self.check_loss(tensor)
+        super().backward(tensor, module, *args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:

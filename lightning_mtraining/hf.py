@@ -9,7 +9,10 @@ A ``transformers`` causal LM trains under context parallelism with no change to 
 2. A forward pre-hook on the outermost model gives every shard what a full sequence would have had:
    its *global* ``position_ids`` (RoPE), globally shifted labels (``shift_labels=``) and the global target
    count (``num_items_in_batch=``), even when ``training_step`` passes only ``input_ids`` and ``labels``.
-3. A forward hook makes the *value* of ``outputs.loss`` the exact loss of the full sequence.
+3. A forward hook makes the *value* of ``outputs.loss`` the exact loss of the full sequence, marks it for the
+   strategies' loss check (Note [Checking the loss] in :mod:`lightning_mtraining.losses`), and tags the logits
+   as this rank's shard (:func:`~lightning_mtraining.sharding.shard_of`), so that
+   :func:`~lightning_mtraining.losses.causal_lm_loss` and the output gathering can find the batch they belong to.
 
 Note [Exact losses and gradients]
 ---------------------------------
@@ -32,18 +35,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mtraining.losses import exact_group_loss
 from lightning_mtraining.ring import ring_attention
-from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded
+from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded, tag_shard
 
 __all__ = [
     "ATTENTION_NAME",
     "ContextParallelPlan",
     "PreparedModel",
     "RingAttentionConfig",
+    "attention_modules",
     "find_hf_models",
     "prepare_model",
     "register_attention",
     "ring_attention_forward",
+    "sparse_ring_unavailable",
     "validate_model",
 ]
 
@@ -105,7 +111,9 @@ def ring_attention_forward(
             "not supported by ring attention (only causal attention with right padding, handled by the strategy)"
         )
     if dropout:
-        raise ValueError(f"{name}: attention dropout ({dropout}) is not supported by ring attention; set it to 0")
+        fields = _attention_dropout_fields(getattr(module, "config", None))
+        where = ", ".join(f"config.{k}={v}" for k, v in fields.items()) or f"dropout={dropout}"
+        raise ValueError(f"{name}: attention dropout ({where}) is not supported by ring attention; set it to 0.0")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{name}: attention logit soft-capping is not supported by ring attention")
     window = kwargs.get("sliding_window")
@@ -168,9 +176,46 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    # HF attention modules hold their layer index and causality flag; decoder layers do not hold is_causal.
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of a Hugging Face model (they hold ``layer_idx`` and ``is_causal``)."""
+    # Decoder layers hold a layer index but no causality flag.
     return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx") and m is not model]
+
+
+def _attention_dropout_fields(config: Any) -> dict[str, float]:
+    """Non-zero attention-dropout fields of a config, by name: ``attention_dropout`` (Llama, Qwen2, ...),
+    ``attn_pdrop`` (GPT-2), ``attention_probs_dropout_prob`` (BERT-style), ... Residual and embedding dropout
+    act on single tokens and are fine under context parallelism."""
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    return {
+        key: value
+        for key, value in config.to_dict().items()
+        if "drop" in key and ("attn" in key or "attention" in key)
+        and isinstance(value, (int, float)) and not isinstance(value, bool) and value
+    }
+
+
+def sparse_ring_unavailable(sparsity: Any) -> str | None:
+    """Why ``ring_attention(..., sparsity=sparsity)`` cannot run in this build, or None if it can.
+
+    Asks the core itself: one single-process call on a tiny CPU sequence (one tile, one head), so the answer
+    follows the core as sparse ring attention lands, with no flag to keep in step. Only a NotImplementedError
+    counts; any other failure of the tiny call says nothing about real shapes and is left to the real run.
+    Skipped (None) when a process group is initialised: the call would then be a collective.
+    """
+    if sparsity is None or (dist.is_available() and dist.is_initialized()):
+        return None
+    tile = getattr(sparsity, "tile_size", 128)
+    q = torch.zeros(1, 1, tile, 16)
+    try:
+        with torch.no_grad():
+            ring_attention(q, q, q, layout="striped", block_size=tile, sparsity=sparsity)
+    except NotImplementedError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - see the docstring: only "not implemented" is a verdict
+        return None
+    return None
 
 
 def validate_model(model: nn.Module) -> None:
@@ -203,9 +248,11 @@ def validate_model(model: nn.Module) -> None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         fail(f"attention logit soft-capping (config.attn_logit_softcapping={config.attn_logit_softcapping})",
              "Ring attention computes plain softmax attention.")
-    if getattr(config, "attention_dropout", 0.0):
-        fail(f"attention dropout (config.attention_dropout={config.attention_dropout})", "Set it to 0.0.")
-    modules = _attention_modules(model)
+    dropout = _attention_dropout_fields(config)
+    if dropout:
+        fields = ", ".join(f"config.{k}={v}" for k, v in dropout.items())
+        fail(f"attention dropout ({fields})", f"Set {' and '.join(f'config.{k}' for k in dropout)} to 0.0.")
+    modules = attention_modules(model)
     if not modules:
         fail("unknown attention (no attention module with `is_causal` and `layer_idx` found)",
              "Use a model whose attention supports `attn_implementation` (Llama, Qwen2, Mistral, ...).")
@@ -236,7 +283,7 @@ class PreparedModel:
                 f"{type(model).__name__} did not accept attn_implementation={ATTENTION_NAME!r} "
                 f"(it kept {model.config._attn_implementation!r}): unknown attention"
             )
-        self.attention_modules = _attention_modules(model)
+        self.attention_modules = attention_modules(model)
         for m in self.attention_modules:
             sparsity = layer_sparsity(m.layer_idx) if layer_sparsity is not None else None
             setattr(
@@ -328,15 +375,22 @@ class PreparedModel:
         return (), kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._scale_loss or self.plan.cp_size == 1:
+        scale, self._scale_loss = self._scale_loss, False
+        current = self.plan.current
+        if isinstance(output, dict):
+            logits = output.get("logits")
+        elif isinstance(output, tuple):  # return_dict=False: (loss, logits, ...) with labels, else (logits, ...)
+            logits = output[1 if scale else 0] if len(output) > int(scale) else None
+        else:
+            logits = None
+        if isinstance(logits, torch.Tensor) and current is not None:
+            tag_shard(logits, current)
+        if not scale:
             return output
-        self._scale_loss = False
-        loss = output["loss"] if isinstance(output, dict) else (output[0] if isinstance(output, tuple) else None)
+        loss = output.get("loss") if isinstance(output, dict) else (output[0] if isinstance(output, tuple) else None)
         if loss is None:
             return output
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.plan.group)
-        exact = loss + (total / self.plan.cp_size - loss.detach())
+        exact = exact_group_loss(loss, self.plan.group, self.plan.cp_size)
         if isinstance(output, dict):
             output["loss"] = exact
             return output

@@ -25,13 +25,15 @@ Usage in a LightningModule::
     self.train_loss = TokenWeightedLoss()
     self.train_ppl = TokenPerplexity()
     ...
-    loss_sum, n_tokens = token_loss_sum(logits, shift_labels)   # this rank's shard of the shifted labels
+    targets = lightning_mtraining.causal_lm_targets(batch)   # lined up with this rank's logits (its shard)
+    loss_sum, n_tokens = token_loss_sum(logits, targets)
     self.train_loss(loss_sum, n_tokens); self.train_ppl(loss_sum, n_tokens)
     self.log("train/loss", self.train_loss, prog_bar=True)
 
 Without logits (large vocabularies): under ``MTrainingStrategy`` the model's loss already has the exact
-value of its CP group's sequences (``n`` target tokens), so each of the ``cp_size`` ranks may add
-``(loss * n / cp_size, n / cp_size)``: the world sums are then exact too (``examples/train.py`` does this).
+value of its CP group's sequences, so each rank may add ``(loss * n, n)`` with ``n`` the target tokens it
+holds (``(causal_lm_targets(batch) != -100).sum()``): the world sums are then exact too, and the same code
+is right under any strategy (``examples/train.py`` does this).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def token_loss_sum(logits: Tensor, target: Tensor, ignore_index: int = -100) -> 
 
     ``logits`` ``[..., V]`` and ``target`` ``[...]`` must be aligned position by position: under CP
     pass this rank's shard of the globally shifted labels (``target[t]`` is the token after
-    position ``t``), never a locally shifted one. Tokens equal to ``ignore_index`` (padding, the
+    position ``t``; :func:`~lightning_mtraining.losses.causal_lm_targets` gives them), never a
+    locally shifted one. Tokens equal to ``ignore_index`` (padding, the
     last position) do not count. Computed in float32 whatever the logits' dtype. Detached: this is
     for metrics, the differentiable loss is the model's.
     """

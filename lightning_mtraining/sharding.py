@@ -19,11 +19,19 @@ Padding: the sequence is padded on the right to a multiple of ``layout_unit(layo
 Right padding is exact under causal attention (a real token never attends to a later one) so padded tokens
 never change a real token's output, and their targets are -100 so they never enter the loss. Left padding or
 holes in ``attention_mask`` cannot be expressed without a mask in the ring, and are rejected.
+
+A shard knows where it came from: every tensor of a sharded batch carries a weak reference to its
+:class:`ShardedBatch` (:func:`shard_of`), and so do the logits the model hook returns. That is how
+:func:`~lightning_mtraining.losses.causal_lm_loss` finds the globally shifted targets of a shard, and how
+outputs are put back in global order (:func:`gather_sequence`) without the caller passing the strategy around.
+The reference is weak so that batch tensors and their record do not form a reference cycle (which would keep
+every batch alive until the cyclic garbage collector runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,17 +43,23 @@ from lightning_mtraining.layouts import global_positions, layout_unit, shard_seq
 __all__ = [
     "IGNORE_INDEX",
     "ShardedBatch",
+    "all_gather_sequence",
     "check_right_padding",
+    "gather_sequence",
     "pad_sequence_dim",
     "shard_batch",
+    "shard_of",
     "shift_labels",
     "shift_labels_sharded",
+    "tag_shard",
 ]
 
 IGNORE_INDEX = -100
 
 # Keys whose padding value is not 0.
 _PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
+# Attribute on a shard tensor: (weak reference to its ShardedBatch, its key in the batch or None).
+_SHARD_ATTR = "_mtraining_shard"
 
 
 @dataclasses.dataclass
@@ -62,6 +76,8 @@ class ShardedBatch:
         targets: for each integer sequence key usable as labels (``labels``, ``input_ids``), the globally
             shifted targets ``[B, L]`` of this shard (-100 at padding and at the last position).
         num_targets: for each key of ``targets``, the number of targets != -100 in the whole (global) batch.
+        cp_rank, cp_size, layout, block_size: how the batch was split.
+        group: the context-parallel process group (``None``: the default group, or a single process).
     """
 
     batch: dict[str, Any]
@@ -71,6 +87,11 @@ class ShardedBatch:
     valid: torch.Tensor
     targets: dict[str, torch.Tensor]
     num_targets: dict[str, int]
+    cp_rank: int = 0
+    cp_size: int = 1
+    layout: str = "striped"
+    block_size: int = 128
+    group: dist.ProcessGroup | None = None
 
     @property
     def local_len(self) -> int:
@@ -144,12 +165,15 @@ def shard_batch(
     layout: str = "striped",
     block_size: int = 128,
     ignore_index: int = IGNORE_INDEX,
+    group: dist.ProcessGroup | None = None,
 ) -> ShardedBatch:
     """Pad, globally shift and shard a Hugging Face style batch for one context-parallel rank.
 
     Every tensor whose first two dims are ``[B or 1, S]`` (``input_ids``, ``labels``, ``attention_mask``,
     ``position_ids``, ``token_type_ids``, ...) is padded to P and sharded along dim 1; other values pass through.
-    Padding values: ``labels`` -100, ``position_ids`` continue counting, everything else 0.
+    Padding values: ``labels`` -100, ``position_ids`` continue counting, everything else 0. Each shard is
+    tagged with the returned record (:func:`shard_of`), which must stay referenced while the shards are used
+    (the strategies keep the current one).
 
     Raises:
         TypeError: the batch is not a mapping.
@@ -194,10 +218,12 @@ def shard_batch(
     out: dict[str, Any] = {}
     targets: dict[str, torch.Tensor] = {}
     num_targets: dict[str, int] = {}
+    sharded_keys = []
     for key, value in batch.items():
         if not _is_sequence_tensor(value, B, S):
             out[key] = value
             continue
+        sharded_keys.append(key)
         if key == "position_ids":
             # Continue each row's count into the padding (padded positions never reach a real token).
             step = torch.arange(1, P - S + 1, device=value.device, dtype=value.dtype)
@@ -210,7 +236,7 @@ def shard_batch(
             targets[key] = shard(full)
             num_targets[key] = int((full != ignore_index).sum())
     positions = global_positions(P, cp_rank, cp_size, layout, block_size, device=device)
-    return ShardedBatch(
+    sharded = ShardedBatch(
         batch=out,
         seq_len=S,
         padded_len=P,
@@ -218,7 +244,39 @@ def shard_batch(
         valid=shard(valid),
         targets=targets,
         num_targets=num_targets,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        layout=layout,
+        block_size=block_size,
+        group=group,
     )
+    for key in sharded_keys:
+        tag_shard(out[key], sharded, key)
+    return sharded
+
+
+def tag_shard(x: torch.Tensor, sharded: ShardedBatch, key: str | None = None) -> None:
+    """Record on ``x`` (weakly) that it is a shard of ``sharded`` (``key``: its name in the batch, if any)."""
+    setattr(x, _SHARD_ATTR, (weakref.ref(sharded), key))
+
+
+def shard_of(x: Any) -> tuple[ShardedBatch, str | None] | None:
+    """The :class:`ShardedBatch` a tensor is a shard of (and its batch key), or None for any other value.
+
+    Raises:
+        RuntimeError: ``x`` is a shard of a batch whose record no longer exists (kept from an earlier step).
+    """
+    tag = getattr(x, _SHARD_ATTR, None) if isinstance(x, torch.Tensor) else None
+    if tag is None:
+        return None
+    ref, key = tag
+    sharded = ref()
+    if sharded is None:
+        raise RuntimeError(
+            f"this tensor (shape {tuple(x.shape)}) is a context-parallel shard of an earlier batch whose record is "
+            "gone; use the batch of the current step"
+        )
+    return sharded, key
 
 
 def shift_labels_sharded(
@@ -232,22 +290,55 @@ def shift_labels_sharded(
     block_size: int = 128,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, int]:
-    """Globally shifted targets of a label *shard* and the global target count (one all-gather).
+    """Globally shifted targets of a label *shard* and the global target count (two all-gathers).
 
     For labels built inside ``training_step`` (not a tensor of the sharded batch): gathers the CP group's
     shards, shifts the full row, and returns this rank's shard of it. Every rank of the group must call it.
     """
-    if cp_size == 1:
-        full, full_valid = labels, valid
-    else:
-        shards = [torch.empty_like(labels) for _ in range(cp_size)]
-        dist.all_gather(shards, labels.contiguous(), group=group)
-        full = unshard_sequence(shards, 1, layout, block_size)
-        # uint8 on the wire: gloo has no bool all-gather.
-        valid_u8 = valid.to(torch.uint8).contiguous()
-        valid_shards = [torch.empty_like(valid_u8) for _ in range(cp_size)]
-        dist.all_gather(valid_shards, valid_u8, group=group)
-        full_valid = unshard_sequence(valid_shards, 1, layout, block_size).bool()
+    full = all_gather_sequence(labels, 1, group=group, cp_size=cp_size, layout=layout, block_size=block_size)
+    full_valid = all_gather_sequence(valid, 1, group=group, cp_size=cp_size, layout=layout, block_size=block_size)
     shifted = shift_labels(full, full_valid, ignore_index)
     count = int((shifted != ignore_index).sum())
     return shard_sequence(shifted, 1, cp_rank, cp_size, layout, block_size), count
+
+
+def all_gather_sequence(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    group: dist.ProcessGroup | None,
+    cp_size: int,
+    layout: str = "striped",
+    block_size: int = 128,
+) -> torch.Tensor:
+    """The whole (padded) sequence from every CP rank's shard ``x``, in global order (one all-gather).
+
+    Not differentiable (the result is detached). Every rank of the group must call it with the same shape.
+    """
+    if cp_size == 1:
+        return x
+    # bool travels as uint8: gloo has no bool all-gather.
+    wire = x.detach().to(torch.uint8) if x.dtype == torch.bool else x.detach()
+    wire = wire.contiguous()
+    shards = [torch.empty_like(wire) for _ in range(cp_size)]
+    dist.all_gather(shards, wire, group=group)
+    full = unshard_sequence(shards, dim, layout, block_size)
+    return full.bool() if x.dtype == torch.bool else full
+
+
+def gather_sequence(x: torch.Tensor, sharded: ShardedBatch, dim: int = 1) -> torch.Tensor:
+    """``x``, a tensor whose ``dim`` is this rank's shard of ``sharded``'s sequence, in global order, unpadded.
+
+    ``[B, L, ...] -> [B, S, ...]`` for ``dim=1``: all-gather over the CP group, undo the layout, drop the padding.
+    For outputs (predictions, logits for metrics); not differentiable. Every rank of the group must call it.
+    """
+    if x.shape[dim] != sharded.local_len:
+        raise ValueError(
+            f"dim {dim} of a tensor of shape {tuple(x.shape)} is not this rank's shard length {sharded.local_len} "
+            f"(the batch has {sharded.seq_len} tokens, padded to {sharded.padded_len} = {sharded.cp_size} ranks x "
+            f"{sharded.local_len})"
+        )
+    full = all_gather_sequence(
+        x, dim, group=sharded.group, cp_size=sharded.cp_size, layout=sharded.layout, block_size=sharded.block_size
+    )
+    return full.narrow(dim, 0, sharded.seq_len)

@@ -36,13 +36,22 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
     assert cli.trainer.num_devices == 2 and cli.datamodule.seq_len == 2047
 
     # Typed init_args: an int CP size and a SparsityConfig dataclass parse from the command line.
-    args += ["--trainer.strategy.init_args.context_parallel_size=2",
-             "--trainer.strategy.init_args.sparsity.vertical_topk=256",
-             "--trainer.strategy.init_args.layout=zigzag"]
+    args += ["--trainer.strategy.init_args.context_parallel_size=2", "--trainer.strategy.init_args.layout=zigzag"]
     cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=args)
     strategy = cli.trainer.strategy
     assert strategy._context_parallel_size == 2 and strategy.layout == "zigzag"
-    assert strategy.sparsity == SparsityConfig(vertical_topk=256)
+    sparse_args = [*args, "--trainer.strategy.init_args.sparsity.vertical_topk=256"]
+    parsed = cli.parser.parse_args(sparse_args)  # parsed, not yet instantiated
+    assert parsed.trainer.strategy.init_args.sparsity.vertical_topk == 256
+    # Instantiating it follows the core: refused with its message while sparse ring attention is not implemented.
+    from lightning_mtraining.hf import sparse_ring_unavailable
+
+    if sparse_ring_unavailable(SparsityConfig(vertical_topk=256)) is None:
+        cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
+        assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256)
+    else:
+        with pytest.raises(ValueError, match=r"sparse ring attention \(sparsity=SparsityConfig\(...\)\) is not"):
+            LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
 
     with pytest.raises(SystemExit):  # jsonargparse rejects a layout outside the Literal
         LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,

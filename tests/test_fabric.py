@@ -46,11 +46,24 @@ def fabric_fit(world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
         if not is_accumulating:
             optimizer.step()
             optimizer.zero_grad()
+    # A loss shifted locally on the shard is refused by fabric.backward; gather_sequence makes logits whole.
+    batch = next(iter(loader))
+    batch.pop("idx")
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    manual = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten())
+    try:
+        fabric.backward(manual)
+        manual_error = None
+    except RuntimeError as e:
+        manual_error = str(e)
+    optimizer.zero_grad()
+    gathered_shape = tuple(strategy.gather_sequence(logits.detach()).shape)
     hf = model.module if hasattr(model, "module") else model
     plan = strategy.plan
     result = {
         "records": records, "params": {k: v.detach().clone() for k, v in hf.named_parameters()},
         "cp_rank": plan.cp_rank, "cp_size": plan.cp_size, "dp_rank": strategy.dp_rank,
+        "manual_error": manual_error, "gathered_shape": gathered_shape,
     }
     strategy.teardown()
     result["attn_after"] = hf.config._attn_implementation
@@ -75,7 +88,11 @@ def test_registered():
 
 @pytest.mark.slow
 def test_fabric_loop_two_processes_matches_single_process():
-    """CP=2, striped, odd length 15 padded to 16, right padding, gradient accumulation over 2 micro-batches."""
+    """CP=2, striped, odd length 15 padded to 16, right padding, gradient accumulation over 2 micro-batches; then
+    a locally shifted loss is refused by fabric.backward, and gather_sequence gives whole logits."""
     scenario = dict(family="qwen2", n_samples=8, seq_len=15, steps=2, accumulate=2, strategy=dict(block_size=4))
     results = run_distributed(_fabric_worker, 2, scenario, timeout=300)
     check_against_reference(results, scenario)
+    for r in results:
+        assert r["manual_error"] is not None and "causal_lm_loss(logits, batch)" in r["manual_error"]
+        assert r["gathered_shape"] == (2, 15, 64)  # [B, S, V]: whole, unpadded (16 -> 15)

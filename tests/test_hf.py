@@ -93,8 +93,14 @@ def test_unprepared_module_and_runtime_features():
         ring_attention_forward(module, q, k, v, None, sliding_window=4)
     with pytest.raises(ValueError, match="soft-capping"):
         ring_attention_forward(module, q, k, v, None, softcap=30.0)
-    with pytest.raises(ValueError, match="dropout"):
+    with pytest.raises(ValueError, match=r"attention dropout \(dropout=0.1\)"):
         ring_attention_forward(module, q, k, v, None, dropout=0.1)
+    from transformers import GPT2Config
+
+    module.config = GPT2Config(attn_pdrop=0.1)  # the error names the field to change
+    with pytest.raises(ValueError, match=r"attention dropout \(config.attn_pdrop=0.1\).*set it to 0.0"):
+        ring_attention_forward(module, q, k, v, None, dropout=0.1)
+    del module.config
     out, weights = ring_attention_forward(module, q, k, v, None, sliding_window=8)  # window covers everything
     assert out.shape == (1, 8, 4, 8) and weights is None
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
@@ -118,8 +124,14 @@ def test_unsupported_models_fail_at_setup_naming_model_and_feature():
     model.model.layers[1].self_attn.is_causal = False
     with pytest.raises(ValueError, match="LlamaForCausalLM .* non-causal attention"):
         validate_model(model)
-    with pytest.raises(ValueError, match="attention dropout"):
+    with pytest.raises(ValueError, match=r"attention dropout \(config.attention_dropout=0.1\)"):
         validate_model(make_model("qwen2", attention_dropout=0.1))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=64, bos_token_id=None, eos_token_id=None)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel .* \(config.attn_pdrop=0.1\). Set config.attn_pdrop to 0"):
+        validate_model(GPT2LMHeadModel(GPT2Config(**gpt2)))
+    validate_model(GPT2LMHeadModel(GPT2Config(**gpt2, attn_pdrop=0.0)))  # residual/embedding dropout are fine
     model = make_model("qwen2")
     model._supports_attention_backend = False
     with pytest.raises(ValueError, match="Qwen2ForCausalLM .* unknown attention"):

@@ -73,6 +73,8 @@ def make_samples(n: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Te
 def _lightning_module():
     import lightning as L
 
+    from lightning_mtraining import causal_lm_loss
+
     class _CausalLM(L.LightningModule):
         """A user's module: wraps an HF causal LM, unaware of context parallelism."""
 
@@ -92,6 +94,18 @@ def _lightning_module():
             elif self.call == "clone":  # labels built here, not a tensor of the batch: shifted over the CP group
                 out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                  labels=batch["input_ids"].clone())
+            elif self.call in ("helper", "manual"):  # the step computes its own loss from the logits
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                if self.call == "manual":  # the single-device idiom: a local shift (wrong on a shard)
+                    ids = batch["input_ids"]
+                    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+                return causal_lm_loss(logits, batch)
+            elif self.call == "helper_mixed":  # `outputs.loss * 0.5 + aux` style, aux through the helper
+                out = self.model(**{k: v for k, v in batch.items() if k != "idx"})
+                # Labels built in the step (equal to the batch's): found through the logits' tag, shifted over
+                # the CP group.
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                return out.loss * 0.5 + 0.5 * causal_lm_loss(out.logits, labels)
             else:  # only input_ids and labels, no attention_mask / position_ids
                 out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
             return out.loss
@@ -134,7 +148,8 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
 
     from lightning_mtraining.strategy import MTrainingStrategy
 
-    quiet()
+    if scenario.get("quiet", True):
+        quiet()
     strategy_kwargs = dict(scenario.get("strategy", {}))
     strategy = MTrainingStrategy(**strategy_kwargs)
     module = _lightning_module()(scenario["family"], scenario.get("call", "kwargs"),
@@ -319,13 +334,14 @@ def test_bad_batch_and_model_errors():
     with pytest.raises(ValueError, match="contains no transformers PreTrainedModel"):
         trainer.fit(NoHF(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
 
-    module = _lightning_module()("qwen2")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=4), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    bad = [{"tokens": torch.ones(5, dtype=torch.long), "idx": torch.tensor(0)}] * 2
-    with pytest.raises(KeyError, match="the batch has no 'input_ids'"):
-        trainer.fit(module, torch.utils.data.DataLoader(bad, batch_size=2))
+    # One device, dense: nothing is split, so the batch reaches training_step as it is (the sharding errors for
+    # batches without input_ids are tested in test_sharding.py, where the sequence is split).
+    from lightning_mtraining.hf import ContextParallelPlan
+
+    strategy = MTrainingStrategy(block_size=4)
+    strategy._plan = ContextParallelPlan(block_size=4)  # what setup_distributed builds at world size 1
+    odd = {"tokens": torch.ones(2, 5, dtype=torch.long)}
+    assert strategy.shard_batch(odd) is odd
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ Runs the script as a user would (a subprocess; Lightning launches the second ran
 checks what it promises: training makes progress (the loss falls and stays finite), the logged
 token-weighted loss (the metric) equals the loss the model returned under the strategy (two
 independent routes to the same number: 1e-5 relative covers float32 rounding of a 5-ish value), the
-summary is printed and the CSV logger wrote the progress-bar metrics. (The Llama flag and the
+summary is printed and the CSV logger wrote the progress-bar metrics; and a second run, which finds the
+corpus built, trains on the same data from the same initialisation (its losses equal the first run's, exactly:
+same seed, same float32 ops) without printing the build's progress or the warnings the script silences.
+(The Llama flag and the
 data-parallel path, ``--model llama --context-parallel-size 1``, were run by hand, not here, to keep CI
 short; the strategy's own tests cover both families and DP x CP parity.)
 """
@@ -26,24 +29,27 @@ pytest.importorskip("litdata")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path: Path, *flags: str) -> dict:
+def _run(tmp_path: Path, *flags: str, max_steps: int = 6, warnings: str = "ignore") -> tuple[dict, str]:
     cmd = [
         sys.executable, str(REPO / "examples" / "train.py"),
-        "--devices", "2", "--seq-len", "768", "--block-size", "32", "--max-steps", "6",
+        "--devices", "2", "--seq-len", "768", "--block-size", "32", "--max-steps", str(max_steps),
         "--lr", "1e-2", "--warmup-steps", "1",
         "--data-dir", str(tmp_path / "corpus"), "--log-dir", str(tmp_path / "logs"), *flags,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": warnings}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "=== summary ===" in proc.stdout
+    assert "terminate called" not in proc.stderr  # gloo at exit without destroy_process_group (strategy.py)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("summary: ")]
     assert len(lines) == 1, "exactly one summary (rank 0 only)"
-    return json.loads(lines[0][len("summary: ") :])
+    return json.loads(lines[0][len("summary: ") :]), proc.stdout + proc.stderr
 
 
 def test_train_example_context_parallel(tmp_path):
-    s = _run(tmp_path)
+    s, output = _run(tmp_path)
+    assert "building the byte-level corpus" in output and "corpus built:" in output
+    assert output.count("MTrainingStrategy: world 2 = dp 1 x cp 2, flat ring of 2") == 1  # the mesh, rank 0
     assert (s["world_size"], s["dp_size"], s["cp_size"], s["strategy"]) == (2, 1, 2, "mtraining")
     assert s["steps"] == 6 and len(s["losses"]) == 6
     assert all(math.isfinite(v) for v in s["losses"])
@@ -62,3 +68,9 @@ def test_train_example_context_parallel(tmp_path):
     synced = [float(r["model_loss"]) for r in rows if r.get("model_loss")]
     assert synced == pytest.approx(logged, rel=1e-5)
 
+    # The second run finds the corpus built: same data, same initialisation, same losses; no build output, and
+    # none of the warnings the script silences (default warning filters this time).
+    again, output = _run(tmp_path, max_steps=2, warnings="default")
+    assert again["losses"] == s["losses"][:2]
+    assert "building the byte-level corpus" not in output
+    assert "LeafSpec" not in output and "`IterableDataset` has `__len__`" not in output
