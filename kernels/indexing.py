@@ -341,23 +341,36 @@ def _compact(idx: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.gather(idx, -1, order).to(torch.int32).contiguous(), ok.sum(-1, dtype=torch.int32)
 
 
-def step_tile_lists(pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, columns: bool = True) -> TileLists:
+def step_tile_lists(
+    pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, columns: bool = True, tiles: bool = True
+) -> TileLists:
     """Lists for queries at global positions ``q_pos`` against keys at ``k_pos`` (one ring step), T x T tiles.
 
-    Every run of T consecutive entries of ``q_pos`` and of ``k_pos`` must be one whole global tile
+    Every run of T consecutive entries of ``q_pos`` (and of ``k_pos`` when ``tiles``) must be one whole global tile
     (:func:`check_tile_aligned`; the ring checks it once per layout). Local query tile m is global tile gq[m], local
     key tile t is gk[t]: the pair is computed iff gq[m] - gk[t] is a computed offset (>= 0); it needs the token mask
     only on the global diagonal (gq[m] == gk[t]). Gathered columns (``columns=True``): the pattern's verticals that
     lie in this key chunk, for query tile m when key <= its last query and its tile offset is not computed.
     The same pairs as :func:`pattern_tile_lists` on the whole sequence, restricted to this (q, k) block.
+
+    ``tiles=False``: no tile pairs (empty tile lists), columns only; ``k_pos`` may then be any increasing positions,
+    e.g. the pattern's vertical keys gathered from every rank.
     """
     T = pt.tile
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int64), k_pos.to(torch.int64)
-    gq, gk = q_pos[::T] // T, k_pos[::T] // T  # [Mq], [Nk] global tile indices, increasing
-    Mq, Nk = gq.numel(), gk.numel()
+    gq = q_pos[::T] // T  # [Mq] global tile indices, increasing
+    Mq = gq.numel()
     U = pt.offsets.to(dev)  # [B, H, L]
     B, H, L = U.shape
+    if not tiles:
+        Nk = _cdiv(k_pos.numel(), T)
+        zeros = lambda n: torch.zeros(B, H, n, dtype=torch.int32, device=dev)  # noqa: E731
+        empty = TileLists(T, T, zeros(Mq)[..., None], zeros(Mq), zeros(Mq), zeros(Nk)[..., None], zeros(Nk),
+                          zeros(Nk))
+        return _with_columns(empty, pt, gq, k_pos, U) if columns else empty
+    gk = k_pos[::T] // T  # [Nk]
+    Nk = gk.numel()
     u_ok = U < pt.big
     # query-major: key tile gq[m] - u
     tg = gq[None, None, :, None] - U[:, :, None, :]  # [B, H, Mq, L]
@@ -371,10 +384,20 @@ def step_tile_lists(pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, 
     ok = u_ok[:, :, None, :] & (gq[m] == mg)
     b_idx, b_cnt = _compact(m, ok)
     b_nm = (ok & (U[:, :, None, :] == 0)).sum(-1, dtype=torch.int32)
+    lists = TileLists(T, T, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm)
+    return _with_columns(lists, pt, gq, k_pos, U) if columns else lists
+
+
+def _with_columns(lists: TileLists, pt: PatternTiles, gq: torch.Tensor, k_pos: torch.Tensor, U: torch.Tensor
+                  ) -> TileLists:
+    """``lists`` plus the gathered columns: the pattern's verticals found in ``k_pos`` (see step_tile_lists)."""
+    T, dev = pt.tile, k_pos.device
+    B, H, L = U.shape
+    Mq = gq.numel()
     col_idx = col_bits = None
     V = pt.verticals.to(dev)  # [B, H, NV]
     NV = V.shape[-1]
-    if columns and NV:
+    if NV:
         loc = torch.searchsorted(k_pos, V.reshape(-1)).clamp(max=k_pos.numel() - 1).view(V.shape)
         here = (V < pt.big) & (k_pos[loc] == V)
         slot = torch.arange(NV, device=dev)
@@ -395,7 +418,7 @@ def step_tile_lists(pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, 
         bits = (sel.view(B, H, Mq, NC // COL_CHUNK, COL_CHUNK).to(torch.int64) << shifts).sum(-1)  # distinct bits
         col_bits = bits.contiguous()
         col_idx = torch.where(here, loc, 0).to(torch.int32).contiguous()
-    return TileLists(T, T, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm, col_idx, col_bits)
+    return dataclasses.replace(lists, col_idx=col_idx, col_bits=col_bits)
 
 
 def lists_have_work(tiles: TileLists) -> torch.Tensor:
