@@ -1,18 +1,23 @@
-"""``SparseAttentionCallback``: per-layer attention options for MTraining.
+"""``SparseAttentionCallback``: the sparse attention schedule's options, and its numbers in Lightning's loggers.
 
-The strategy's ``sparsity`` applies to every layer; this callback overrides it per layer (which layers stay
-dense, budgets per layer). It only holds options: :class:`~lightning_mtraining.strategy.MTrainingStrategy`
-reads it in ``setup``, after ``configure_model``, so models built there are covered. With Fabric, pass it to
-``MTrainingFabricStrategy(attention=...)``.
+The strategy's ``sparsity`` applies to every layer; this callback overrides it per layer (which layers stay dense,
+budgets per layer) and says how often to measure. Each measured training step it logs ``attention/density`` (the
+share of causal pairs the patterns allow), ``attention/imbalance`` (the ring's critical-path work over the mean
+rank's, 1.0 = balanced) and, when enabled, ``attention/recall`` (the share of attention mass the patterns keep) to
+the progress bar and every logger, plus the same per layer (``attention/density/layer_3``, ...).
 
-Not usable yet: sparse ring attention is being built, and until it lands a callback that asks for sparsity on
-any layer is refused before the run starts (NotImplementedError from the strategy).
+:class:`~lightning_mtraining.strategy.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so models
+built there are covered), and adds one with the default options when a run is sparse and none was given. The
+schedule itself (warm-up, dense layers, the per-forward pattern, the measurements) is Lightning-free
+(:mod:`lightning_mtraining.schedule`): with Fabric, pass this object as ``MTrainingFabricStrategy(attention=...)``
+for its options and read ``fabric.strategy.attention_metrics()``.
 
 Example::
 
     trainer = Trainer(
-        strategy=MTrainingStrategy(sparsity=SparsityConfig(vertical_topk=1024, slash_topk=1024)),
-        callbacks=[SparseAttentionCallback(dense_layers=[0, 1], layer_sparsity={5: SparsityConfig(top_p=0.95)})],
+        strategy=MTrainingStrategy(sparsity=SparsityConfig(top_p=0.9, dense_warmup_steps=100)),
+        callbacks=[SparseAttentionCallback(dense_layers=[0, 1], layer_sparsity={5: SparsityConfig(top_p=0.95)},
+                                           recall_every_n_steps=200)],
     )
 """
 
@@ -28,15 +33,23 @@ from lightning_mtraining.pattern import SparsityConfig
 
 __all__ = ["SparseAttentionCallback"]
 
+_HEADLINE = ("attention/density", "attention/imbalance", "attention/recall")
+
 
 class SparseAttentionCallback(Callback):
-    """Per-layer sparse attention options.
+    """Per-layer sparse attention options, and logging of the patterns' density, imbalance and recall.
 
     Args:
         sparsity: budgets for layers not listed below; ``None`` keeps the strategy's ``sparsity``.
         dense_layers: layer indices that always use dense (exact) ring attention (the reference keeps the first
-            layers dense).
+            layers dense); adds to each config's own ``dense_layers``.
         layer_sparsity: budgets for specific layers, overriding ``sparsity``.
+        log_every_n_steps: measure and log every n-th optimizer step (default: the Trainer's
+            ``log_every_n_steps``); measuring costs an exact per-tile count of every layer's pattern on the host.
+        recall_every_n_steps: measure the attention recall every n-th step (0, the default: never); it costs about
+            one extra pattern estimation per layer with ``recall_rows`` probe rows.
+        recall_rows: query rows sampled per layer for the recall.
+        prog_bar: show the headline numbers in the progress bar.
     """
 
     def __init__(
@@ -44,6 +57,10 @@ class SparseAttentionCallback(Callback):
         sparsity: SparsityConfig | None = None,
         dense_layers: list[int] | None = None,
         layer_sparsity: dict[int, SparsityConfig] | None = None,
+        log_every_n_steps: int | None = None,
+        recall_every_n_steps: int = 0,
+        recall_rows: int = 64,
+        prog_bar: bool = True,
     ) -> None:
         self.sparsity = sparsity
         self.dense_layers = sorted(set(dense_layers or []))
@@ -54,6 +71,15 @@ class SparseAttentionCallback(Callback):
         bad = [i for i in [*self.dense_layers, *self.layer_sparsity] if not isinstance(i, int) or i < 0]
         if bad:
             raise ValueError(f"layer indices must be non-negative ints, got {bad}")
+        for name, value in (("log_every_n_steps", log_every_n_steps), ("recall_every_n_steps", recall_every_n_steps),
+                            ("recall_rows", recall_rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"SparseAttentionCallback: {name} must be a non-negative int, got {value!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.recall_every_n_steps = recall_every_n_steps
+        self.recall_rows = recall_rows
+        self.prog_bar = prog_bar
+        self._step_at_start: int | None = None
 
     def layer_sparsity_fn(self, default: SparsityConfig | None) -> Callable[[int], SparsityConfig | None]:
         """``layer_idx -> SparsityConfig | None`` given the strategy's default ``sparsity``."""
@@ -65,6 +91,16 @@ class SparseAttentionCallback(Callback):
             return self.layer_sparsity.get(layer_idx, base)
 
         return for_layer
+
+    def configs(self) -> list[SparsityConfig]:
+        """Every config this callback may apply."""
+        return [c for c in (self.sparsity, *self.layer_sparsity.values()) if c is not None]
+
+    def schedule_options(self, default_log_every: int = 50) -> dict[str, Any]:
+        """Keyword arguments of :class:`~lightning_mtraining.schedule.AttentionSchedule`."""
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else default_log_every
+        return {"log_every_n_steps": every, "recall_every_n_steps": self.recall_every_n_steps,
+                "recall_rows": self.recall_rows}
 
     def check_layers(self, module: Any) -> None:
         """Raise if a listed layer index does not exist in the Hugging Face models inside ``module``."""
@@ -83,3 +119,25 @@ class SparseAttentionCallback(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # Runs after configure_model and strategy.setup: the model exists now.
         self.check_layers(pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        schedule = getattr(trainer.strategy, "attention_schedule", None)
+        self._step_at_start = trainer.global_step
+        if schedule is not None:  # the warm-up and the measuring cadence follow the Trainer's optimizer steps
+            schedule.set_step(trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        schedule = getattr(trainer.strategy, "attention_schedule", None)
+        if schedule is None or schedule.measured_at != self._step_at_start:
+            return
+        metrics = schedule.metrics()
+        if not metrics:
+            return
+        # every rank measured (the same step everywhere); DP groups saw different batches: average them
+        headline = {k: v for k, v in metrics.items() if k in _HEADLINE}
+        layers = {k: v for k, v in metrics.items() if k not in _HEADLINE}
+        pl_module.log_dict(headline, prog_bar=self.prog_bar, sync_dist=True, on_step=True, on_epoch=False)
+        if layers:
+            pl_module.log_dict(layers, prog_bar=False, sync_dist=True, on_step=True, on_epoch=False)

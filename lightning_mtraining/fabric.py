@@ -35,7 +35,12 @@ from typing_extensions import override
 
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.strategy import ContextParallelMixin, check_context_parallel_args, check_sparsity_available
+from lightning_mtraining.strategy import (
+    ContextParallelMixin,
+    check_context_parallel_args,
+    check_sparsity_args,
+    register_names,
+)
 
 __all__ = ["MTrainingFabricStrategy"]
 
@@ -116,7 +121,8 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         )
         self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check)
         self.attention = attention
-        check_sparsity_available(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention))
+        check_sparsity_args(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention), layout,
+                            block_size)
 
     @override
     def _configure_launcher(self) -> None:
@@ -131,8 +137,8 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        layer_sparsity = self.attention.layer_sparsity_fn(self.sparsity) if self.attention is not None else None
-        self.prepare_models(module, layer_sparsity)
+        attention = self.attention if self.attention is not None else SparseAttentionCallback()
+        self.prepare_models(module, attention.layer_sparsity_fn(self.sparsity), attention.schedule_options())
         if self.attention is not None:
             self.attention.check_layers(module)
         return super().setup_module(module)
@@ -141,6 +147,13 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         self.check_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self.attention_schedule is not None:  # Fabric has no global step: count optimizer steps for the warm-up
+            self.attention_schedule.set_step(self.attention_schedule.step + 1)
+        return output
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
@@ -154,13 +167,11 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data parallel x context parallel (MTraining ring attention)"
-        )
+        register_names(strategy_registry, cls)
 
 
 def _register() -> None:
-    if MTrainingFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
+    if "mtraining" not in STRATEGY_REGISTRY:
         MTrainingFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 

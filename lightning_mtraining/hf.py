@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mtraining.estimation import attention_recall
 from lightning_mtraining.losses import exact_group_loss
-from lightning_mtraining.ring import ring_attention
+from lightning_mtraining.ring import resolve_pattern, ring_attention
 from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded, tag_shard
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
     "prepare_model",
     "register_attention",
     "ring_attention_forward",
-    "sparse_ring_unavailable",
     "validate_model",
 ]
 
@@ -72,6 +72,12 @@ class ContextParallelPlan:
     inner_group: dist.ProcessGroup | None = None
     outer_group: dist.ProcessGroup | None = None
     current: ShardedBatch | None = None
+    schedule: Any = None  # AttentionSchedule: sparse layers over time, the per-forward patterns, statistics
+
+    @property
+    def inner_size(self) -> int:
+        """Ranks of one inner ring (``cp_size`` for a flat ring)."""
+        return dist.get_world_size(self.inner_group) if self.inner_group is not None else self.cp_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,43 @@ class RingAttentionConfig:
     sparsity: Any = None
     inner_group: dist.ProcessGroup | None = None
     outer_group: dist.ProcessGroup | None = None
+    plan: ContextParallelPlan | None = None  # the shared plan: the current batch and the attention schedule
+
+
+def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling) -> Any:
+    """What this layer's ring attention runs now: None (dense) or the forward's ``VerticalSlashPattern``.
+
+    Sparse per the schedule (:mod:`lightning_mtraining.schedule`): the layer's config, dense layers, the dense
+    warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
+    to estimate from). One estimate per layer and forward (Note [One pattern per forward]).
+    """
+    plan = cfg.plan
+    schedule = plan.schedule if plan is not None else None
+    layer_idx = getattr(module, "layer_idx", None)
+    sparsity = schedule.config_for(layer_idx) if schedule is not None else cfg.sparsity
+    if sparsity is None:
+        return None
+    n_total = query.shape[2] * cfg.cp_size
+    current = plan.current if plan is not None else None
+    lengths = list(current.lengths) if current is not None and current.lengths else [n_total] * query.shape[0]
+    if min(lengths) < sparsity.last_q:
+        return None
+
+    def estimate():
+        return resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
+                               block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx)
+
+    if schedule is None:
+        return estimate()
+    pattern, new = schedule.pattern_for(layer_idx, estimate)
+    if new and schedule.measuring:
+        recall = None
+        if schedule.measuring_recall:
+            recall = attention_recall(query, key, pattern, rows=schedule.recall_rows, group=cfg.group,
+                                      layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling)
+        schedule.record(layer_idx, pattern, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
+                        plan.inner_size, recall)
+    return pattern
 
 
 def ring_attention_forward(
@@ -140,7 +183,7 @@ def ring_attention_forward(
         group=cfg.group,
         layout=cfg.layout,
         block_size=cfg.block_size,
-        sparsity=cfg.sparsity,
+        sparsity=_layer_pattern(module, cfg, query, key, scaling),
         inner_group=cfg.inner_group,
         outer_group=cfg.outer_group,
         scale=scaling,
@@ -194,28 +237,6 @@ def _attention_dropout_fields(config: Any) -> dict[str, float]:
         if "drop" in key and ("attn" in key or "attention" in key)
         and isinstance(value, (int, float)) and not isinstance(value, bool) and value
     }
-
-
-def sparse_ring_unavailable(sparsity: Any) -> str | None:
-    """Why ``ring_attention(..., sparsity=sparsity)`` cannot run in this build, or None if it can.
-
-    Asks the core itself: one single-process call on a tiny CPU sequence (one tile, one head), so the answer
-    follows the core as sparse ring attention lands, with no flag to keep in step. Only a NotImplementedError
-    counts; any other failure of the tiny call says nothing about real shapes and is left to the real run.
-    Skipped (None) when a process group is initialised: the call would then be a collective.
-    """
-    if sparsity is None or (dist.is_available() and dist.is_initialized()):
-        return None
-    tile = getattr(sparsity, "tile_size", 128)
-    q = torch.zeros(1, 1, tile, 16)
-    try:
-        with torch.no_grad():
-            ring_attention(q, q, q, layout="striped", block_size=tile, sparsity=sparsity)
-    except NotImplementedError as e:
-        return str(e)
-    except Exception:  # noqa: BLE001 - see the docstring: only "not implemented" is a verdict
-        return None
-    return None
 
 
 def validate_model(model: nn.Module) -> None:
@@ -291,7 +312,7 @@ class PreparedModel:
                 _CONFIG_ATTR,
                 RingAttentionConfig(
                     plan.group, plan.cp_size, plan.layout, plan.block_size, sparsity, plan.inner_group,
-                    plan.outer_group,
+                    plan.outer_group, plan,
                 ),
             )
         self._handles = [
@@ -316,6 +337,8 @@ class PreparedModel:
                 raise TypeError(f"{name}.forward got {len(args)} positional arguments")
             kwargs = {**dict(zip(self._forward_params, args)), **kwargs}
         plan, cur = self.plan, self.plan.current
+        if plan.schedule is not None:  # a new forward: new patterns (Note [One pattern per forward])
+            plan.schedule.begin_forward(training=module.training and torch.is_grad_enabled())
         x = kwargs.get("input_ids")
         if x is None:
             x = kwargs.get("inputs_embeds")

@@ -31,6 +31,7 @@ every batch alive until the cyclic garbage collector runs).
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "shard_batch",
     "shard_of",
     "shift_labels",
+    "sparse_padding_multiple",
     "shift_labels_sharded",
     "tag_shard",
 ]
@@ -78,6 +80,7 @@ class ShardedBatch:
         num_targets: for each key of ``targets``, the number of targets != -100 in the whole (global) batch.
         cp_rank, cp_size, layout, block_size: how the batch was split.
         group: the context-parallel process group (``None``: the default group, or a single process).
+        lengths: the real (unpadded) length of every row of the whole sequence (host ints).
     """
 
     batch: dict[str, Any]
@@ -92,6 +95,7 @@ class ShardedBatch:
     layout: str = "striped"
     block_size: int = 128
     group: dist.ProcessGroup | None = None
+    lengths: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def local_len(self) -> int:
@@ -166,8 +170,12 @@ def shard_batch(
     block_size: int = 128,
     ignore_index: int = IGNORE_INDEX,
     group: dist.ProcessGroup | None = None,
+    multiple_of: int = 1,
 ) -> ShardedBatch:
     """Pad, globally shift and shard a Hugging Face style batch for one context-parallel rank.
+
+    The padded length P is the smallest multiple of both the layout's unit and ``multiple_of`` (sparse attention
+    asks for whole tiles on every rank, see :func:`sparse_padding_multiple`) that holds the sequence.
 
     Every tensor whose first two dims are ``[B or 1, S]`` (``input_ids``, ``labels``, ``attention_mask``,
     ``position_ids``, ``token_type_ids``, ...) is padded to P and sharded along dim 1; other values pass through.
@@ -195,7 +203,7 @@ def shard_batch(
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"batch['input_ids'] must be a [batch, seq] tensor, got {shape}")
     B, S = input_ids.shape
-    unit = layout_unit(layout, cp_size, block_size)
+    unit = math.lcm(layout_unit(layout, cp_size, block_size), max(1, multiple_of))
     P = max(unit, -(-S // unit) * unit)
     device = input_ids.device
 
@@ -249,10 +257,28 @@ def shard_batch(
         layout=layout,
         block_size=block_size,
         group=group,
+        lengths=valid.sum(1).tolist(),
     )
     for key in sharded_keys:
         tag_shard(out[key], sharded, key)
     return sharded
+
+
+def sparse_padding_multiple(layout: str, cp_size: int, block_size: int, tile: int) -> int:
+    """What the padded length must be a multiple of for every rank to hold whole, aligned ``tile``-token tiles.
+
+    Striped: ``block_size`` must itself be a multiple of the tile (each block holds whole tiles); contiguous: each
+    rank's chunk holds whole tiles (``cp_size * tile``); zigzag: each of a rank's two chunks (``2 * cp_size * tile``).
+    """
+    if layout == "striped":
+        if block_size % tile:
+            raise ValueError(
+                f"sparse attention runs {tile}-token tiles, but the striped layout's block_size={block_size} is not a "
+                f"multiple of it: use block_size={tile} (or a multiple), or SparsityConfig(tile_size=...) dividing "
+                f"{block_size}"
+            )
+        return cp_size * block_size
+    return (2 if layout == "zigzag" else 1) * cp_size * tile
 
 
 def tag_shard(x: torch.Tensor, sharded: ShardedBatch, key: str | None = None) -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import math
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -67,17 +68,18 @@ from lightning_mtraining.hf import (
     attention_modules,
     find_hf_models,
     prepare_model,
-    sparse_ring_unavailable,
     validate_model,
 )
 from lightning_mtraining.layouts import LAYOUTS
 from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
 from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.sharding import ShardedBatch, gather_sequence, shard_batch, shard_of
+from lightning_mtraining.schedule import AttentionSchedule
+from lightning_mtraining.sharding import ShardedBatch, gather_sequence, shard_batch, shard_of, sparse_padding_multiple
 
 __all__ = [
     "ContextParallelMixin",
     "MTrainingStrategy",
+    "PAPER_SPARSITY",
     "build_context_parallel",
     "check_context_parallel_args",
     "resolve_context_parallel_size",
@@ -110,13 +112,22 @@ def check_context_parallel_args(
         raise ValueError(f"loss_check must be one of {LOSS_CHECKS}, got {loss_check!r}")
 
 
-def check_sparsity_available(owner: str, configs: Iterable[Any]) -> None:
-    """Raise NotImplementedError, once and short, if the core cannot run one of these sparsity configs yet."""
+PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
+"""The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
+slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
+
+
+def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_size: int) -> None:
+    """Raise, once and short, if a sparsity config is of the wrong type or cannot tile the layout."""
     for config in configs:
-        reason = sparse_ring_unavailable(config)
-        if reason is not None:
-            # `from None`: the probe's own traceback says nothing the message does not.
-            raise NotImplementedError(f"{owner}: {reason}") from None
+        if config is None:
+            continue
+        if not isinstance(config, SparsityConfig):
+            raise TypeError(f"{owner}: sparsity must be a SparsityConfig or None, got {type(config).__name__}")
+        try:
+            sparse_padding_multiple(layout, 1, block_size, config.tile_size)
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
 
 
 def describe_mesh(owner: str, world_size: int, cp_size: int, inner_size: int, layout: str, block_size: int) -> str:
@@ -241,7 +252,7 @@ class ContextParallelMixin:
         loss_check: str = "raise",
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
-        check_sparsity_available(f"{type(self).__name__}(sparsity=...)", [sparsity])
+        check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [sparsity], layout, block_size)
         self._context_parallel_size = context_parallel_size
         self._inner_ring_size = inner_ring_size
         self.layout = layout
@@ -254,6 +265,8 @@ class ContextParallelMixin:
         self._warned_loss = False
         self._exit_state: dict[str, bool] | None = None
         self._logged_mesh = ""
+        self._pad_multiple = 1
+        self.attention_schedule: AttentionSchedule | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -333,9 +346,7 @@ class ContextParallelMixin:
 
     def _layer_sparsity_configs(self, attention: Any) -> list[Any]:
         """Every sparsity config a run may use: the strategy's and a SparseAttentionCallback's."""
-        configs = [self.sparsity]
-        if attention is not None:
-            configs += [attention.sparsity, *attention.layer_sparsity.values()]
+        configs = [self.sparsity, *(attention.configs() if attention is not None else [])]
         return [c for c in configs if c is not None]
 
     def validate_models(self, module: torch.nn.Module) -> None:
@@ -343,11 +354,18 @@ class ContextParallelMixin:
         for model in find_hf_models(module):
             validate_model(model)
 
-    def prepare_models(self, module: torch.nn.Module, layer_sparsity: Callable[[int], Any] | None = None) -> None:
+    def prepare_models(
+        self,
+        module: torch.nn.Module,
+        layer_sparsity: Callable[[int], Any] | None = None,
+        schedule_options: dict[str, Any] | None = None,
+    ) -> None:
         """Switch every outermost Hugging Face model inside ``module`` to ring attention (idempotent).
 
         With one CP rank and dense attention on every layer there is nothing to split: the models are validated
-        (so a model ring attention cannot run fails on one device too) but keep their own attention.
+        (so a model ring attention cannot run fails on one device too) but keep their own attention. When a layer
+        may run sparse, an :class:`~lightning_mtraining.schedule.AttentionSchedule` (``schedule_options``: its
+        logging options) decides per layer and step, and batches are padded to whole tiles on every rank.
         """
         if self._prepared:
             return
@@ -362,10 +380,25 @@ class ContextParallelMixin:
             )
         for model in models:
             validate_model(model)
-        sparse = any(layer_sparsity(m.layer_idx) is not None for model in models for m in attention_modules(model))
-        if self.plan.cp_size == 1 and not sparse:
+        layers = sorted({m.layer_idx for model in models for m in attention_modules(model)})
+        schedule = AttentionSchedule(layer_sparsity, **(schedule_options or {}))
+        configs = schedule.sparse_configs(layers)
+        if self.plan.cp_size == 1 and not configs:
             return
+        check_sparsity_args(type(self).__name__, configs, self.layout, self.block_size)
+        self._pad_multiple = 1
+        for cfg in configs:
+            self._pad_multiple = math.lcm(self._pad_multiple, sparse_padding_multiple(
+                self.layout, self.plan.cp_size, self.block_size, cfg.tile_size))
+        self.attention_schedule = schedule if configs else None
+        self.plan.schedule = self.attention_schedule
         self._prepared = [prepare_model(m, self.plan, layer_sparsity) for m in models]
+
+    def attention_metrics(self) -> dict[str, float]:
+        """The sparse attention statistics of the last measured step (``attention/density``,
+        ``attention/imbalance``, ``attention/recall`` if enabled, per layer too); empty when every layer is dense.
+        See :meth:`~lightning_mtraining.schedule.AttentionSchedule.metrics`."""
+        return self.attention_schedule.metrics() if self.attention_schedule is not None else {}
 
     def restore_models(self) -> None:
         """Undo :meth:`prepare_models`: hooks removed, previous attention implementation back."""
@@ -374,6 +407,7 @@ class ContextParallelMixin:
         self._prepared = []
         if self._plan is not None:
             self._plan.current = None
+            self._plan.schedule = None
 
     def shard_batch(self, batch: Any) -> Any:
         """Pad and shard ``batch`` (already on this rank's device) for this rank; records it for the model hook.
@@ -385,7 +419,7 @@ class ContextParallelMixin:
             return batch
         sharded = shard_batch(
             batch, cp_rank=plan.cp_rank, cp_size=plan.cp_size, layout=plan.layout, block_size=plan.block_size,
-            group=plan.group,
+            group=plan.group, multiple_of=self._pad_multiple,
         )
         plan.current = sharded
         return restore_batch_type(batch, sharded.batch)
@@ -488,10 +522,11 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
             when the CP group spans several nodes (flat ring otherwise).
         layout: token layout of the shards (``"striped"`` balances causal and vertical-slash work).
         block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
-        sparsity: vertical-slash budgets for sparse ring attention, or ``None`` for dense (exact) attention.
-            Per-layer overrides: :class:`~lightning_mtraining.callback.SparseAttentionCallback`. Not available
-            in this build yet: the strategy raises NotImplementedError at construction while the core's sparse
-            ring attention is not implemented.
+        sparsity: vertical-slash budgets for sparse ring attention (the pattern is estimated online for every
+            layer and forward, :func:`~lightning_mtraining.estimation.estimate_pattern`), or ``None`` for dense
+            (exact) attention. ``strategy="mtraining"`` is this class with :data:`PAPER_SPARSITY` (top-p 0.9, caps
+            4096); ``strategy="mtraining_dense"`` with ``None``. Per-layer overrides, logging of density and
+            imbalance: :class:`~lightning_mtraining.callback.SparseAttentionCallback`.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: process-group timeout.
         start_method: how Lightning starts processes (as in ``DDPStrategy``).
@@ -559,9 +594,9 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
         Runs in the launching process before other processes start (again on every rank in ``setup``, which
         also covers models built in ``configure_model``).
         """
-        check_sparsity_available(
-            f"{type(self).__name__} with SparseAttentionCallback", self._layer_sparsity_configs(
-                self._attention_callback(trainer))
+        check_sparsity_args(
+            f"{type(self).__name__} with SparseAttentionCallback",
+            self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
         )
         if self.lightning_module is not None:
             self.validate_models(self.lightning_module)
@@ -586,17 +621,21 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
             raise ValueError(f"found {len(callbacks)} SparseAttentionCallback instances; pass at most one")
         return callbacks[0] if callbacks else None
 
-    def _layer_sparsity(self, trainer: Any) -> Callable[[int], Any]:
-        callback = self._attention_callback(trainer)
-        if callback is not None:
-            return callback.layer_sparsity_fn(self.sparsity)
-        return lambda layer_idx: self.sparsity
-
     @override
     def setup(self, trainer: Any) -> None:
         # After configure_model, before DDP wraps the module: models built in configure_model are covered.
         assert self.model is not None
-        self.prepare_models(self.model, self._layer_sparsity(trainer))
+        from lightning_mtraining.callback import SparseAttentionCallback
+
+        callback = self._attention_callback(trainer)
+        added = callback is None
+        if added:
+            callback = SparseAttentionCallback()
+        every = getattr(trainer, "log_every_n_steps", 50)
+        self.prepare_models(self.model, callback.layer_sparsity_fn(self.sparsity), callback.schedule_options(every))
+        if added and self.attention_schedule is not None:
+            # a sparse run logs its density and imbalance even when the user added no callback
+            trainer.callbacks.append(callback)
         if self.world_size == 1:
             # The Trainer injects a DistributedSampler for every DDPStrategy subclass whatever is_distributed says
             # (lightning 2.6 _AcceleratorConnector.is_distributed); on one device it would reorder the batches
@@ -644,13 +683,23 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data parallel x context parallel (MTraining ring attention)"
-        )
+        register_names(strategy_registry, cls)
+
+
+def register_names(registry: Any, cls: type) -> None:
+    """``"mtraining"``: sparse ring attention in the paper's training setting; ``"mtraining_dense"``: exact dense."""
+    registry.register(
+        "mtraining", cls, description="Data parallel x context parallel, MTraining sparse ring attention (top-p 0.9)",
+        sparsity=PAPER_SPARSITY,
+    )
+    registry.register(
+        "mtraining_dense", cls, description="Data parallel x context parallel, exact dense ring attention",
+        sparsity=None,
+    )
 
 
 def _register() -> None:
-    if MTrainingStrategy.strategy_name not in StrategyRegistry:
+    if "mtraining" not in StrategyRegistry:
         MTrainingStrategy.register_strategies(StrategyRegistry)
 
 

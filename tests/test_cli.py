@@ -43,15 +43,8 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
     sparse_args = [*args, "--trainer.strategy.init_args.sparsity.vertical_topk=256"]
     parsed = cli.parser.parse_args(sparse_args)  # parsed, not yet instantiated
     assert parsed.trainer.strategy.init_args.sparsity.vertical_topk == 256
-    # Instantiating it follows the core: refused with its message while sparse ring attention is not implemented.
-    from lightning_mtraining.hf import sparse_ring_unavailable
-
-    if sparse_ring_unavailable(SparsityConfig(vertical_topk=256)) is None:
-        cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
-        assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256)
-    else:
-        with pytest.raises(ValueError, match=r"sparse ring attention \(sparsity=SparsityConfig\(...\)\) is not"):
-            LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
+    cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
+    assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256)
 
     with pytest.raises(SystemExit):  # jsonargparse rejects a layout outside the Literal
         LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,

@@ -427,8 +427,8 @@ def test_validation_checkpoint_resume_and_bf16_two_processes(tmp_path):
 
 
 def test_attention_callback_per_layer_options_with_configure_model():
-    """Per-layer sparsity reaches each attention module (model built in configure_model); sparse ring attention
-    is not implemented yet, so a sparse layer fails with the ring's clear NotImplementedError."""
+    """Per-layer sparsity reaches each attention module (model built in configure_model): layer 0 dense, layer 1
+    sparse, and only layer 1's pattern is estimated and measured."""
     import lightning as L
 
     from lightning_mtraining import SparseAttentionCallback, SparsityConfig
@@ -436,20 +436,23 @@ def test_attention_callback_per_layer_options_with_configure_model():
     from lightning_mtraining.strategy import MTrainingStrategy
 
     quiet()
-    budgets = SparsityConfig(vertical_topk=16, slash_topk=16)
-    callback = SparseAttentionCallback(dense_layers=[0], layer_sparsity={1: budgets})
+    budgets = SparsityConfig(vertical_topk=4, slash_topk=4, last_q=8, tile_size=16, local_window=16)
+    callback = SparseAttentionCallback(dense_layers=[0], layer_sparsity={1: budgets}, log_every_n_steps=1)
     model = make_model("qwen2")
     prepare_model(model, ContextParallelPlan(block_size=4), callback.layer_sparsity_fn(default=None))
     assert [layer.self_attn._mtraining_ring.sparsity for layer in model.model.layers] == [None, budgets]
 
     def trainer(cb):
-        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=4), max_steps=1,
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16), max_steps=1,
                          callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_model_summary=False, log_every_n_steps=1)
 
-    loader = torch.utils.data.DataLoader(make_samples(2, 8), batch_size=2)
-    with pytest.raises(NotImplementedError, match="sparse ring attention"):
-        trainer(callback).fit(_lightning_module()("qwen2", build_in_configure=True), loader)
+    loader = torch.utils.data.DataLoader(make_samples(2, 40), batch_size=2)
+    t = trainer(callback)
+    t.fit(_lightning_module()("qwen2", build_in_configure=True), loader)
+    assert t.strategy.attention_schedule.estimations == 1
+    metrics = t.strategy.attention_metrics()
+    assert "attention/density/layer_1" in metrics and "attention/density/layer_0" not in metrics
     with pytest.raises(ValueError, match=r"lists layers \[5\], but Qwen2ForCausalLM has 2 layers"):
         trainer(SparseAttentionCallback(dense_layers=[5])).fit(_lightning_module()("qwen2"), loader)
     with pytest.raises(ValueError, match="both in dense_layers and layer_sparsity"):

@@ -237,13 +237,13 @@ def _quiet_trainer(**kwargs: Any):
                      enable_model_summary=False, **kwargs)
 
 
-def test_sizes_and_sparse_mode_fail_at_construction():
-    """Sizes fail at Trainer(...)/Fabric(...), in the one process that exists then; sparse mode at construction
-    for as long as the core does not implement it (the test follows the core's own answer)."""
+def test_sizes_and_sparse_settings_fail_at_construction():
+    """Sizes fail at Trainer(...)/Fabric(...), in the one process that exists then; a sparsity config that cannot
+    tile the layout (striped blocks smaller than the tile) fails at the strategy's construction, with one short
+    message."""
     from lightning.fabric import Fabric
 
     from lightning_mtraining import MTrainingFabricStrategy, MTrainingStrategy, SparsityConfig
-    from lightning_mtraining.hf import sparse_ring_unavailable
 
     with pytest.raises(ValueError, match="context_parallel_size=3 does not divide the world size 2"):
         _quiet_trainer(devices=2, strategy=MTrainingStrategy(context_parallel_size=3))
@@ -253,15 +253,14 @@ def test_sizes_and_sparse_mode_fail_at_construction():
         Fabric(accelerator="cpu", devices=2, strategy=MTrainingFabricStrategy(context_parallel_size=3))
 
     config = SparsityConfig(vertical_topk=16, slash_topk=16)
-    reason = sparse_ring_unavailable(config)
-    if reason is None:  # sparse ring attention has landed: construction works
-        assert MTrainingStrategy(sparsity=config).sparsity == config
-        return
-    for build in (lambda: MTrainingStrategy(sparsity=config), lambda: MTrainingFabricStrategy(sparsity=config)):
-        with pytest.raises(NotImplementedError, match="sparse ring attention") as info:
+    assert MTrainingStrategy(sparsity=config).sparsity == config
+    for build in (lambda: MTrainingStrategy(block_size=64, sparsity=config),
+                  lambda: MTrainingFabricStrategy(block_size=64, sparsity=config)):
+        with pytest.raises(ValueError, match="block_size=64 is not a multiple of it") as info:
             build()
-        # One short message, no chained traceback of the probe.
         assert len(str(info.value)) < 500 and info.value.__suppress_context__
+    with pytest.raises(TypeError, match="sparsity must be a SparsityConfig or None"):
+        MTrainingStrategy(sparsity={"top_p": 0.9})
 
 
 def test_model_config_fails_before_any_process_starts(monkeypatch):
@@ -298,23 +297,23 @@ def test_model_config_fails_before_any_process_starts(monkeypatch):
 
 def test_one_device_matches_strategy_auto():
     """devices=1: the same batches in the same order (shuffled loader) and bit-identical losses and parameters as
-    strategy="auto": no DistributedSampler, models keep their own attention, batches pass through unchanged.
+    strategy="auto" (dense attention: "mtraining_dense"): no DistributedSampler, models keep their own attention, batches pass through unchanged.
     Exact equality: both runs do the same float32 ops in the same order (DDP over one rank divides by 1)."""
     import lightning as L
 
     runs = {}
-    for strategy in ("auto", "mtraining"):
+    for strategy in ("auto", "mtraining_dense"):
         L.seed_everything(7)
         module = _lightning_module()("llama")
         loader = torch.utils.data.DataLoader(make_samples(8, 37), batch_size=2, shuffle=True)
         trainer = _quiet_trainer(devices=1, strategy=strategy, max_steps=4)
         trainer.fit(module, loader)
         runs[strategy] = module
-        if strategy == "mtraining":
+        if strategy == "mtraining_dense":
             assert trainer.strategy.is_distributed is False
             assert trainer.strategy.distributed_sampler_kwargs is None
             assert module.model.config._attn_implementation == "eager"
-    auto, ours = runs["auto"], runs["mtraining"]
+    auto, ours = runs["auto"], runs["mtraining_dense"]
     assert [idx for idx, _ in ours.records] == [idx for idx, _ in auto.records]
     assert [loss for _, loss in ours.records] == [loss for _, loss in auto.records]
     for (name, a), (_, b) in zip(auto.model.named_parameters(), ours.model.named_parameters()):
