@@ -3,8 +3,10 @@
 The corpus is the Python standard library's own sources on this machine (built once with litdata into
 ``./data/stdlib_bytes``; see :mod:`lightning_mtraining.data`), cut into packed windows of ``--seq-len``
 tokens. Every window is split over the context-parallel ranks by ``MTrainingStrategy`` (the Trainer
-strategy registered as ``"mtraining"``), whose ring attention makes each rank attend over the whole
-sequence. The model and the LightningModule below are plain Hugging Face / Lightning code.
+strategy registered as ``"mtraining"``), whose sparse ring attention makes each rank attend over the whole
+sequence: every layer's vertical-slash pattern is estimated online from the current Q and K (top-p 0.9 of the
+attention mass by default, MTraining's training setting; ``--sparsity none`` trains exact dense ring attention).
+The model and the LightningModule below are plain Hugging Face / Lightning code.
 
 Default, on a CPU machine (2 processes, one 8K-token sequence split over both, a few minutes)::
 
@@ -13,7 +15,8 @@ Default, on a CPU machine (2 processes, one 8K-token sequence split over both, a
 Scaled up, e.g. one node of 8 GPUs, 4-way context parallel x 2-way data parallel, 128K tokens::
 
     python examples/train.py --accelerator gpu --devices 8 --context-parallel-size 4 \\
-        --seq-len 131072 --model-size 0.5b --precision bf16-mixed --max-steps 1000 --lr 3e-4
+        --seq-len 131072 --model-size 0.5b --precision bf16-mixed --max-steps 1000 --lr 3e-4 \\
+        --sparsity paper --tile-size 128
 
 Multi-node: the same command on every node with ``--num-nodes N`` under torchrun or SLURM (Lightning's
 cluster environments pick up the ranks), e.g. ``torchrun --nnodes 2 --node-rank R --nproc-per-node 8
@@ -21,7 +24,9 @@ cluster environments pick up the ranks), e.g. ``torchrun --nnodes 2 --node-rank 
 
 Logged each step (progress bar and a CSV logger under ``lightning_logs/train``): ``loss`` (the
 token-weighted loss over the whole world, exact under context parallelism), ``ppl`` (its exp) and
-``tok_s`` (tokens per second over the world). A summary is printed at the end; its last line,
+``tok_s`` (tokens per second over the world), and the patterns' ``attention/density`` (share of the causal
+pairs computed) and ``attention/imbalance`` (the ring's slowest rank over the mean, 1.0 = balanced; with one CP
+rank it is 1.0). A summary is printed at the end; its last line,
 ``summary: {...}``, is JSON for scripts.
 """
 
@@ -65,10 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", choices=["striped", "zigzag", "contiguous"], default="striped")
     p.add_argument("--block-size", type=int, default=128, help="striped layout block (tokens)")
     p.add_argument(
-        "--sparsity", default="none",
-        help="'none' (dense ring attention), 'topk:V,S' (V verticals, S slashes per head) or 'topp:P'.\n"
-        "NOT AVAILABLE YET: sparse ring attention is being built; any other value than 'none' stops at once",
+        "--sparsity", default="topk:64,16",
+        help="'paper' (MTraining's training setting: top-p 0.9 of the attention mass, at most 4096 verticals and\n"
+        "4096 slashes per head), 'topp:P', 'topk:V,S' (V verticals, S slashes per head), or 'none' (exact dense\n"
+        "ring attention). The default keeps 64 verticals and 16 slashes per head (plus 4 sinks and the local\n"
+        "window): at 8K tokens the paper's setting keeps every tile; use 'paper' from 32K tokens on",
     )
+    p.add_argument("--tile-size", type=int, default=32,
+                   help="tile T of the sparse pattern (power of two >= 16, divides --block-size); 128 on GPUs")
+    p.add_argument("--dense-warmup-steps", type=int, default=0, help="optimizer steps trained dense before sparse")
+    p.add_argument("--recall-every", type=int, default=0,
+                   help="measure the patterns' attention recall every N steps (0: never; costs ~1 estimation)")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
@@ -88,8 +100,8 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
+from lightning_mtraining.callback import SparseAttentionCallback  # noqa: E402
 from lightning_mtraining.metrics import (  # noqa: E402
-    AttentionDensity,
     TokenPerplexity,
     TokensPerSecond,
     TokenWeightedLoss,
@@ -110,19 +122,26 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
-def parse_sparsity(spec: str):
-    """``none`` -> None, ``topk:V,S`` / ``topp:P`` -> ``SparsityConfig``."""
+def parse_sparsity(spec: str, dense_warmup_steps: int = 0, tile_size: int = 128):
+    """``none`` -> None; ``paper`` / ``topp:P`` / ``topk:V,S`` -> ``SparsityConfig``."""
     if spec == "none":
         return None
+    import dataclasses
+
     from lightning_mtraining.pattern import SparsityConfig
+    from lightning_mtraining.strategy import PAPER_SPARSITY
 
     kind, _, value = spec.partition(":")
-    if kind == "topk":
+    if kind == "paper" and not value:
+        config = PAPER_SPARSITY
+    elif kind == "topk":
         vertical, slash = (int(v) for v in value.split(","))
-        return SparsityConfig(vertical_topk=vertical, slash_topk=slash)
-    if kind == "topp":
-        return SparsityConfig(top_p=float(value))
-    raise ValueError(f"--sparsity must be 'none', 'topk:V,S' or 'topp:P'; got {spec!r}")
+        config = SparsityConfig(vertical_topk=vertical, slash_topk=slash)
+    elif kind == "topp":
+        config = SparsityConfig(top_p=float(value))
+    else:
+        raise ValueError(f"--sparsity must be 'paper', 'none', 'topk:V,S' or 'topp:P'; got {spec!r}")
+    return dataclasses.replace(config, dense_warmup_steps=dense_warmup_steps, tile_size=tile_size)
 
 
 def build_model(family: str, size: str, seq_len: int) -> torch.nn.Module:
@@ -167,8 +186,6 @@ class CausalLMModule(L.LightningModule):
         self.train_loss = TokenWeightedLoss()
         self.train_ppl = TokenPerplexity()
         self.tokens_per_second = TokensPerSecond()
-        num_layers = self.model.config.num_hidden_layers
-        self.density = AttentionDensity(num_layers) if args.sparsity != "none" else None
         self.history: list[dict[str, float]] = []
         self._step_start = 0.0
         self._local_tokens = 0
@@ -201,12 +218,6 @@ class CausalLMModule(L.LightningModule):
         seconds = time.perf_counter() - self._step_start
         tok_s = self.tokens_per_second(self._local_tokens, seconds)
         self.log("tok_s", self.tokens_per_second, prog_bar=True)
-        if self.density is not None:
-            # Per-layer densities of the last step (a list, tensor or {layer: density}) are expected from the
-            # sparse ring attention, which has not landed yet; until then nothing is logged here.
-            densities = getattr(self.trainer.strategy, "attention_densities", None)
-            if densities is not None:
-                self.log_dict(AttentionDensity.log_dict(self.density(densities)))
         self.history.append(
             {
                 "step": self.global_step,
@@ -242,14 +253,14 @@ def make_strategy(args: argparse.Namespace):
         inner_ring_size=args.inner_ring_size,
         layout=args.layout,
         block_size=args.block_size,
-        sparsity=parse_sparsity(args.sparsity),
+        sparsity=parse_sparsity(args.sparsity, args.dense_warmup_steps, args.tile_size),
     )
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_known_warnings()
-    strategy = make_strategy(args)  # bad strategy arguments (e.g. --sparsity while unavailable) stop here
+    strategy = make_strategy(args)  # bad strategy arguments stop here, before the corpus build
     # Idempotent and safe on every rank (file lock + atomic rename): the launcher's child processes
     # re-run this script and find the corpus already built (and print nothing).
     args.data_dir = str(data.build_stdlib_corpus(args.data_dir, verbose=True))
@@ -273,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
+        # density and imbalance of the estimated patterns in the progress bar and the CSV, every step
+        callbacks=[SparseAttentionCallback(log_every_n_steps=1, recall_every_n_steps=args.recall_every)],
     )
     start = time.perf_counter()
     trainer.fit(module)
@@ -303,6 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_second": sum(steady) / len(steady) if steady else float("nan"),
         "wall_seconds": wall,
         "csv": os.path.join(logger.log_dir, "metrics.csv"),
+        "sparsity": args.sparsity if args.strategy == "mtraining" else "none",
+        # the last measured step's patterns (absent when dense): share of causal pairs kept, ring balance
+        "attention": {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()
+                      if k.startswith("attention/") and "/layer_" not in k},
     }
     if trainer.is_global_zero:
         print(
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"steps {summary['steps']}: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
             f"final perplexity {summary['final_ppl']:.2f}, {summary['tokens_per_second']:.0f} tokens/s, "
             f"fit wall time {wall:.1f} s\n"
+            f"attention ({summary['sparsity']}): "
+            + (", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in summary["attention"].items()) or "dense") + "\n"
             f"metrics: {summary['csv']}\n"
             f"summary: {json.dumps(summary)}",
             flush=True,

@@ -19,7 +19,7 @@ import torch
 from mtraining_kernels.indexing import COL_CHUNK, TileLists
 
 __all__ = [
-    "attention_chunked_ref", "attention_ref", "tile_lists_mask", "vertical_slash_attention_ref", "vertical_slash_mask",
+    "attention_chunked_ref", "attention_ref", "tile_lists_mask", "tile_rows_mask", "vertical_slash_attention_ref", "vertical_slash_mask",
 ]
 
 
@@ -62,27 +62,21 @@ def vertical_slash_mask(
     return causal & (tile | col[:, :, None, :S])
 
 
-def tile_lists_mask(
-    tiles: TileLists, q_pos: torch.Tensor, k_pos: torch.Tensor, rows: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """Mask [B', H', Sq, Sk] of the pairs a kernel computes from ``tiles`` (token mask k_pos <= q_pos on all);
-    with ``rows=(r0, r1)`` only the query rows [r0, r1): [B', H', r1 - r0, Sk]."""
-    Sq, Sk = q_pos.shape[0], k_pos.shape[0]
-    r0, r1 = (0, Sq) if rows is None else rows
-    BM, BN = tiles.block_m, tiles.block_n
-    Bp, Hp = tiles.fwd_idx.shape[:2]
-    m0, m1 = r0 // BM, -(-r1 // BM)  # the query tiles holding rows [r0, r1)
+def tile_rows_mask(tiles: TileLists, num_keys: int, tiles_range: tuple[int, int] | None = None) -> torch.Tensor:
+    """Bool [B', H', tiles, Sk]: for each query tile, the keys its lists name (tiles and gathered columns), before
+    the token mask ``k_pos <= q_pos``; ``tiles_range=(m0, m1)`` restricts to query tiles [m0, m1)."""
+    Sk, BN = num_keys, tiles.block_n
+    Bp, Hp, Mq = tiles.fwd_idx.shape[:3]
+    m0, m1 = (0, Mq) if tiles_range is None else tiles_range
     Mr = m1 - m0
     Nk = -(-Sk // BN)
-    dev = q_pos.device
+    dev = tiles.fwd_idx.device
     f_idx, f_cnt = tiles.fwd_idx[:, :, m0:m1], tiles.fwd_cnt[:, :, m0:m1]
     slot = torch.arange(f_idx.shape[-1], device=dev)
     live = slot < f_cnt[..., None]
     grid = torch.zeros(Bp, Hp, Mr, Nk + 1, dtype=torch.bool, device=dev)
     grid.scatter_(3, torch.where(live, f_idx.long(), Nk), torch.ones_like(live))
-    qt = torch.arange(r0, r1, device=dev) // BM - m0
-    kt = torch.arange(Sk, device=dev) // BN
-    mask = grid[:, :, qt][..., kt]  # [B', H', rows, Sk]
+    mask = grid[..., torch.arange(Sk, device=dev) // BN]  # [B', H', Mr, Sk]
     if tiles.col_idx is not None:
         J = tiles.col_bits.shape[-1]
         bit = (tiles.col_bits[:, :, m0:m1, :, None] >> torch.arange(COL_CHUNK, device=dev)) & 1  # [B',H',Mr,J,64]
@@ -90,9 +84,22 @@ def tile_lists_mask(
         cols = torch.zeros(Bp, Hp, Mr, Sk, dtype=torch.int64, device=dev)
         # padding slots hold index 0 with bit 0: adding 0 changes nothing
         cols.scatter_add_(3, tiles.col_idx.long()[:, :, None, :].expand(Bp, Hp, Mr, -1).contiguous(), bit)
-        cols = cols > 0
-        mask = mask | cols[:, :, qt]
-    return mask & (k_pos[None, :] <= q_pos[r0:r1, None])
+        mask |= cols > 0
+    return mask
+
+
+def tile_lists_mask(
+    tiles: TileLists, q_pos: torch.Tensor, k_pos: torch.Tensor, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Mask [B', H', Sq, Sk] of the pairs a kernel computes from ``tiles`` (token mask k_pos <= q_pos on all);
+    with ``rows=(r0, r1)`` only the query rows [r0, r1): [B', H', r1 - r0, Sk]."""
+    Sq = q_pos.shape[0]
+    r0, r1 = (0, Sq) if rows is None else rows
+    BM = tiles.block_m
+    m0, m1 = r0 // BM, -(-r1 // BM)  # the query tiles holding rows [r0, r1)
+    per_tile = tile_rows_mask(tiles, k_pos.shape[0], (m0, m1))
+    qt = torch.arange(r0, r1, device=q_pos.device) // BM - m0
+    return per_tile[:, :, qt] & (k_pos[None, :] <= q_pos[r0:r1, None])
 
 
 def attention_ref(

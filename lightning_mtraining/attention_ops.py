@@ -126,9 +126,15 @@ class TorchBlockOp:
         self.max_scores = max_scores
         self.max_rows = max_rows
         self.fused = fused
+        self._tile_cache: dict[int, tuple] = {}
 
     def _use_fused(self, q: torch.Tensor) -> bool:
         return self.fused and q.device.type == "cpu" and q.dtype in _FUSED_CPU_DTYPES
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """0 where allowed, -inf elsewhere (what the fused CPU kernels take)."""
+        return torch.where(allowed, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
 
     @staticmethod
     def _additive_mask(q_pos_c, k_pos, full, visible, G, dtype):
@@ -160,15 +166,71 @@ class TorchBlockOp:
             s5[..., full:visible].masked_fill_(masked, float("-inf"))
         return s
 
-    def _tile_mask(self, tiles, q_pos, k_pos, start, end, visible, B, H, Hkv):
-        """Bool [B, Hkv, G*C, visible] of the pairs ``tiles`` allows for query rows [start, end) (None: causal)."""
-        if tiles is None:
-            return None
-        from mtraining_kernels.reference import tile_lists_mask
+    def _step_masks(self, tiles, k_pos: torch.Tensor, q_pos: torch.Tensor):
+        """What a step's lists allow, per query tile, kept for the step's forward and backward (the same lists
+        object), a few dozen steps at a time: ``(rows [B', H', Mq, Sk] keys named, any [Mq] host bools: some row of
+        the tile has a key, full [Mq]: every causal key of the tile is named (dense), first [B', H', Mq] position
+        of the first named key)``."""
+        from mtraining_kernels.reference import tile_rows_mask
 
-        m = tile_lists_mask(tiles, q_pos, k_pos, rows=(start, end))[..., :visible]
-        C = end - start
-        return m.expand(B, H, C, visible).reshape(B, Hkv, (H // Hkv) * C, visible)
+        hit = self._tile_cache.get(id(tiles))
+        if hit is not None and hit[0] is tiles:
+            return hit[1]
+        if len(self._tile_cache) >= 64:
+            self._tile_cache.pop(next(iter(self._tile_cache)))
+        rows = tile_rows_mask(tiles, k_pos.shape[0])  # [B', H', Mq, Sk]
+        BM = tiles.block_m
+        Mq = rows.shape[2]
+        last_q = q_pos[torch.clamp(torch.arange(Mq, device=q_pos.device) * BM + BM - 1, max=q_pos.shape[0] - 1)]
+        visible = k_pos[None, :] <= last_q[:, None]  # [Mq, Sk] causal keys of each tile's last query
+        big = torch.iinfo(torch.int64).max
+        first = torch.where(rows, k_pos.to(torch.int64), big).amin(-1)  # [B', H', Mq]
+        tile_any = (first <= last_q).flatten(0, 1).any(0)
+        tile_full = (rows | ~visible).flatten(0, 1).all(-1).all(0)
+        masks = (rows, tile_any.tolist(), tile_full.tolist(), first)
+        self._tile_cache[id(tiles)] = (tiles, masks)
+        return masks
+
+    def _tile_mask(self, tiles, q_pos, k_pos, start, end, visible, B, H, Hkv):
+        """``(skip, allowed, empty_rows, keys)`` for query rows [start, end) under ``tiles``.
+
+        ``skip``: no row has a key. ``keys``: the key indices to compute (None: the causal prefix ``:visible``);
+        when the lists name at most half of the prefix, only the keys some row of the chunk needs are gathered,
+        so a sparse step costs its density, not the dense prefix. ``allowed``: bool [B, Hkv, G*C, len(keys)], or
+        None when the lists name every causal key (dense). ``empty_rows``: bool [B, Hkv, G*C] rows with no key.
+        """
+        if tiles is None:
+            return False, None, None, None
+        rows, tile_any, tile_full, first = self._step_masks(tiles, k_pos, q_pos)
+        BM = tiles.block_m
+        m0, m1 = start // BM, -(-end // BM)
+        if not any(tile_any[m0:m1]):
+            return True, None, None, None
+        if all(tile_full[m0:m1]):
+            return False, None, None, None
+        keys = None
+        need = rows[:, :, m0:m1, :visible].flatten(0, 2).any(0)  # [visible] keys some row of the chunk names
+        if 2 * int(need.sum()) <= visible:
+            keys = torch.nonzero(need).flatten()
+        qt = torch.arange(start, end, device=q_pos.device) // BM
+        sel = rows[:, :, qt, :visible] if keys is None else rows[:, :, qt][..., keys]
+        kp = k_pos[:visible] if keys is None else k_pos[keys]
+        m = sel & (kp[None, :] <= q_pos[start:end, None])
+        C, G, n = end - start, H // Hkv, m.shape[-1]
+        empty = first[:, :, qt] > q_pos[None, None, start:end]  # [B', H', C]
+        return (False, m.expand(B, H, C, n).reshape(B, Hkv, G * C, n), empty.expand(B, H, C).reshape(B, Hkv, G * C),
+                keys)
+
+    @staticmethod
+    def _keys(t: torch.Tensor, keys: torch.Tensor | None, visible: int) -> torch.Tensor:
+        return t[:, :, :visible] if keys is None else t.index_select(2, keys)
+
+    @staticmethod
+    def _add_keys(acc: torch.Tensor, part: torch.Tensor, keys: torch.Tensor | None, visible: int) -> None:
+        if keys is None:
+            acc[:, :, :visible] += part
+        else:
+            acc.index_add_(2, keys, part.to(acc.dtype))
 
     def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None):
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
@@ -183,31 +245,34 @@ class TorchBlockOp:
             if visible == 0:
                 continue
             C = end - start
-            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
-            if allowed is not None and not bool(allowed.any()):
+            skip, allowed, empty, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if skip:
                 continue  # nothing of this chunk is in the pattern
             if fused:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D)
                 if allowed is None:
                     mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
                 else:
-                    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+                    mask = self._additive(allowed, q.dtype)
                 o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qc, k[:, :, :visible], v[:, :, :visible], attn_mask=mask, scale=scale
+                    qc, self._keys(k, keys, visible), self._keys(v, keys, visible), attn_mask=mask, scale=scale
                 )
-                if allowed is not None:  # the fused kernel reports lse 0 (and out 0) for rows that see no key
-                    l = l.masked_fill(~allowed.any(-1), float("-inf"))
+                if empty is not None:  # the fused kernel reports lse 0 (and out 0) for rows that see no key
+                    l = l.masked_fill(empty, float("-inf"))
             else:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
-                s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+                if keys is None:
+                    s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+                else:
+                    s = torch.matmul(qc, kf.index_select(2, keys).transpose(-1, -2)) * scale
                 if allowed is not None:
                     s = s.masked_fill(~allowed, float("-inf"))
                 l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
                 safe = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
-                o = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vf[:, :, :visible])
+                o = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), self._keys(vf, keys, visible))
             out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.reshape(B, Hkv, G, C, D).to(q.dtype)
             lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = l.reshape(B, Hkv, G, C).to(adt)
-        if fused and tiles is None:
+        if fused:
             # the fused kernel reports lse 0 (and out 0) for rows that see no key; the protocol says -inf
             lse[..., q_pos < k_pos[0]] = float("-inf")
         return out, lse
@@ -228,23 +293,27 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
-            if allowed is not None and not bool(allowed.any()):
+            skip, allowed, _, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if skip:
                 continue
             C = end - start
             qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
             doc = do5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
             lc = lse4[:, :, :, start:end].reshape(B, Hkv, G * C, 1).to(adt)
             dc = delta4[:, :, :, start:end].reshape(B, Hkv, G * C, 1)
-            s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+            kc, vc = self._keys(kf, keys, visible), self._keys(vf, keys, visible)
+            if keys is None:
+                s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+            else:
+                s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - torch.where(torch.isfinite(lc), lc, torch.zeros_like(lc)))
-            dv[:, :, :visible] += torch.matmul(p.transpose(-1, -2), doc)
-            dp = torch.matmul(doc, vf[:, :, :visible].transpose(-1, -2))
+            self._add_keys(dv, torch.matmul(p.transpose(-1, -2), doc), keys, visible)
+            dp = torch.matmul(doc, vc.transpose(-1, -2))
             ds = p * (dp - dc) * scale
-            dq.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = torch.matmul(ds, kf[:, :, :visible]).view(B, Hkv, G, C, D)
-            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qc)
+            dq.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = torch.matmul(ds, kc).view(B, Hkv, G, C, D)
+            self._add_keys(dk, torch.matmul(ds.transpose(-1, -2), qc), keys, visible)
         return dq, dk, dv
 
     def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None):
@@ -258,22 +327,22 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            allowed = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
-            if allowed is not None and not bool(allowed.any()):
+            skip, allowed, _, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            if skip:
                 continue
             C = end - start
             rows = lambda t: t[:, :, :, start:end].reshape(B, Hkv, G * C, *t.shape[4:])  # noqa: E731
             if allowed is None:
                 mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
             else:
-                mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+                mask = self._additive(allowed, q.dtype)
             dq_c, dk_c, dv_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                rows(do5), rows(q5), k[:, :, :visible], v[:, :, :visible], rows(o5), rows(lse5), 0.0, False,
-                attn_mask=mask, scale=scale,
+                rows(do5), rows(q5), self._keys(k, keys, visible), self._keys(v, keys, visible), rows(o5),
+                rows(lse5), 0.0, False, attn_mask=mask, scale=scale,
             )
             dq.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = dq_c.reshape(B, Hkv, G, C, D)
-            dk[:, :, :visible] += dk_c
-            dv[:, :, :visible] += dv_c
+            self._add_keys(dk, dk_c, keys, visible)
+            self._add_keys(dv, dv_c, keys, visible)
         return dq, dk, dv
 
     def __repr__(self) -> str:

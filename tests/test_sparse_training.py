@@ -136,3 +136,47 @@ def test_registered_names_and_default_callback():
     # a sparse run without a SparseAttentionCallback gets one (it logs density and imbalance)
     res = run_distributed(_worker, 1, [{"callback": False}], timeout=300)[0][0]
     assert "SparseAttentionCallback" in res["callbacks"] and res["estimations"] == 6
+
+
+def fabric_sparse(world_size: int) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    from lightning_mtraining import MTrainingFabricStrategy, SparseAttentionCallback, SparsityConfig
+    from test_strategy import make_model
+
+    quiet()
+    strategy = MTrainingFabricStrategy(block_size=16, sparsity=SparsityConfig(**{**CFG, "dense_warmup_steps": 1}),
+                                       attention=SparseAttentionCallback(log_every_n_steps=1))
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.5)))(make_model("qwen2")))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(make_samples(6, 100), batch_size=2),
+                                      use_distributed_sampler=False)
+    records, metrics = [], []
+    for batch in loader:
+        idx = batch.pop("idx")
+        loss = model(**batch).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append((idx.tolist(), loss.item()))
+        metrics.append(dict(strategy.attention_metrics()))
+    hf = model.module if hasattr(model, "module") else model
+    return {"records": records, "params": {k: v.detach().clone() for k, v in hf.named_parameters()},
+            "metrics": metrics, "steps": strategy.attention_schedule.step,
+            "estimations": strategy.attention_schedule.estimations}
+
+
+def _fabric_worker(rank, world_size):
+    elastic_env(rank, world_size, world_size)
+    return fabric_sparse(world_size)
+
+
+def test_fabric_sparse_training_is_the_same_on_1_and_2_ranks_and_reports_the_numbers():
+    one = run_distributed(_fabric_worker, 1, timeout=300)[0]
+    for r, res in enumerate(run_distributed(_fabric_worker, 2, timeout=300)):
+        _close(res, one, f"Fabric rank {r}")
+        # Fabric counts optimizer steps itself: step 0 dense (warm-up of 1), steps 1-2 sparse, 2 layers each
+        assert res["steps"] == 3 and res["estimations"] == 4
+        assert res["metrics"][0] == {} and 0 < res["metrics"][-1]["attention/density"] < 1
+        assert res["metrics"][-1]["attention/imbalance"] >= 1.0
