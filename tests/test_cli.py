@@ -33,6 +33,7 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MTrainingStrategy)
     assert (strategy.layout, strategy.block_size, strategy._context_parallel_size) == ("striped", 64, "auto")
+    assert strategy.sparsity == SparsityConfig(vertical_topk=64, slash_topk=16, local_window=32, tile_size=32)
     assert cli.trainer.num_devices == 2 and cli.datamodule.seq_len == 2047
 
     # Typed init_args: an int CP size and a SparsityConfig dataclass parse from the command line.
@@ -44,7 +45,9 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
     parsed = cli.parser.parse_args(sparse_args)  # parsed, not yet instantiated
     assert parsed.trainer.strategy.init_args.sparsity.vertical_topk == 256
     cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=sparse_args)
-    assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256)
+    # the YAML's sparsity block (class_path/init_args) with one field overridden on the command line
+    assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256, slash_topk=16, local_window=32,
+                                                           tile_size=32)
 
     with pytest.raises(SystemExit):  # jsonargparse rejects a layout outside the Literal
         LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,
