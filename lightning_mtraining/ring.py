@@ -30,6 +30,18 @@ inner ring (float32), return to the rank that started the inner ring with it, an
 transfer (posted after the inner ring, waited at the end of the next outer step: hidden behind its compute).
 After the last step each rank receives the complete dK/dV of its own chunk.
 
+Note [Gathered verticals]
+-------------------------
+In a sparse ring a vertical column (a key every later query attends to) would be computed at the step its key's
+chunk arrives. The attention sinks all live in the first tile, on one rank, so with verticals at arrival the
+step that brings that chunk is heavier for whichever rank holds it then, and every step waits for its slowest rank
+(``benchmarks/RESULTS.md``, imbalance: striped critical path 1.059 at W=32, 512K, against 1.005 gathered). Instead,
+each layer gathers the K/V rows of the pattern's verticals from their owners (one all-reduce of
+``[2, B, Hkv, NV, D]``, NV = the union of the verticals over batch rows and heads: a few MB against the ring's
+chunks) and every rank computes its own queries' vertical pairs in one extra step, so vertical work follows the
+query count, which the striped layout balances. Backward sums the columns' dK/dV over the ranks (one more
+all-reduce) and each owner adds its rows. The per-step lists then hold tiles only; the pairs are the same.
+
 Causality comes from global token positions (:func:`~lightning_mtraining.layouts.global_positions`): the block
 op never computes a tile that is entirely masked and masks tokens only in partially visible tiles (the
 diagonal blocks of the layout).
@@ -184,10 +196,17 @@ class StepLists:
     ``lists[src]`` are this rank's queries against rank ``src``'s key chunk (:func:`step_tile_lists`), built once per
     layer in the forward and reused by the backward; ``skip[src]`` is True when they hold no pair at all, and the
     step then computes nothing (its K/V still travel on, for the ranks after it).
+
+    Gathered verticals (Note [Gathered verticals]): ``vert_pos`` are the pattern's vertical key positions (the union
+    over batch rows and heads), ``gathered`` the column-only lists of this rank's queries against them, and
+    ``owned`` (this rank's local indices of them, which of them it owns); the per-step lists then hold tiles only.
     """
 
-    def __init__(self, lists: dict[int, TileLists], skip: dict[int, bool]) -> None:
+    def __init__(self, lists: dict[int, TileLists], skip: dict[int, bool], vert_pos: torch.Tensor | None = None,
+                 gathered: TileLists | None = None, gathered_skip: bool = True,
+                 owned: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.lists, self.skip = lists, skip
+        self.vert_pos, self.gathered, self.gathered_skip, self.owned = vert_pos, gathered, gathered_skip, owned
 
     def for_source(self, src: int) -> tuple[TileLists | None, bool]:
         return self.lists.get(src), self.skip.get(src, False)
@@ -232,12 +251,29 @@ def _step(plan: StepLists | None, src: int) -> tuple[TileLists | None, bool]:
     return (None, False) if plan is None else plan.for_source(src)
 
 
-def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float, plan=None):
+def _gather_vertical_kv(kv: torch.Tensor, plan: StepLists, group, cp_size: int) -> torch.Tensor:
+    """``[2, B, Hkv, NV, D]``: the K/V rows of the pattern's vertical keys, from the ranks that own them (exact:
+    each row is summed from one owner and zeros)."""
+    local, mine = plan.owned
+    rows = kv.index_select(3, local) * mine.view(1, 1, 1, -1, 1).to(kv.dtype)
+    if cp_size > 1:
+        rows = rows.contiguous()
+        dist.all_reduce(rows, group=group)
+    return rows
+
+
+def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float, plan=None,
+                  group=None):
     state = None
     for src, cur in _walk(kv, topo):
         tiles, skip = _step(plan, src)
         state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip)
-    return state
+    if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals]
+        kv_v = _gather_vertical_kv(kv, plan, group, topo.cp_size)
+        state = forward_step(state, op, q, kv_v, positions[topo.cp_rank], plan.vert_pos, scale, plan.gathered,
+                             plan.gathered_skip)
+        return state, kv_v
+    return state, None
 
 
 def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: BlockAttentionOp, scale: float,
@@ -279,22 +315,38 @@ def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Blo
     return dq, total[0], total[1]
 
 
+def _gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, scale, group, cp_size: int, dk, dv):
+    """The gathered vertical step's backward: dq here, the columns' dK/dV summed over the ranks and added by their
+    owners (Note [Gathered verticals])."""
+    dkv_v = backward_step(dq, op, q, kv_v, out, lse, dout, q_pos, plan.vert_pos, scale, plan.gathered,
+                          plan.gathered_skip)
+    if cp_size > 1:
+        dist.all_reduce(dkv_v, group=group)
+    local, mine = plan.owned
+    keep = mine.view(1, 1, 1, -1, 1).to(dkv_v.dtype)
+    dk.index_add_(2, local, (dkv_v[0] * keep[0]).to(dk.dtype))
+    dv.index_add_(2, local, (dkv_v[1] * keep[0]).to(dv.dtype))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, positions, op, scale, plan):
+    def forward(ctx, q, k, v, topo, positions, op, scale, plan, group):
         kv = torch.stack([k, v])
-        out_acc, lse = _ring_forward(q, kv, topo, positions, op, scale, plan)
+        (out_acc, lse), kv_v = _ring_forward(q, kv, topo, positions, op, scale, plan, group)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan = topo, positions, op, scale, plan
+        ctx.save_for_backward(q, kv, out, lse, kv_v)
+        ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan, ctx.group = topo, positions, op, scale, plan, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale,
-                                    ctx.plan)
-        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None
+        q, kv, out, lse, kv_v = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(dout, q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan)
+        if kv_v is not None:
+            _gathered_backward(dq, q, kv_v, out, lse, dout, ctx.positions[ctx.topo.cp_rank], ctx.plan, ctx.op,
+                               ctx.scale, ctx.group, ctx.topo.cp_size, dk, dv)
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -387,16 +439,31 @@ def resolve_pattern(
 
 
 def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sources, num_heads: int,
-                     num_kv_heads: int, n: int) -> StepLists:
+                     num_kv_heads: int, n: int, verticals: str = "arrival") -> StepLists:
     """This rank's lists for every ring step (queries at ``positions[cp_rank]`` against each source's keys).
 
-    One host sync for the pattern's list widths and one for which steps have any work."""
+    ``verticals="gathered"``: the per-step lists hold tiles only, and the vertical columns are computed in one extra
+    step against their gathered K/V (Note [Gathered verticals]); ``"arrival"``: each vertical at the step its key's
+    chunk arrives. One host sync for the pattern's list widths and one for which steps have any work."""
+    if verticals not in ("arrival", "gathered"):
+        raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
     full = pattern.expand(num_heads, num_kv_heads)
     pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size)
     q_pos = positions[cp_rank]
-    lists = {src: step_tile_lists(pt, q_pos, positions[src]) for src in sources}
-    work = torch.stack([lists_have_work(lists[src]) for src in sources]).tolist()
-    return StepLists(lists, {src: not w for src, w in zip(sources, work)})
+    gather = verticals == "gathered" and pt.verticals.numel() > 0
+    lists = {src: step_tile_lists(pt, q_pos, positions[src], columns=not gather) for src in sources}
+    flags = [lists_have_work(lists[src]) for src in sources]
+    vert_pos = gathered = owned = None
+    if gather:
+        v = pt.verticals.to(q_pos.device)
+        vert_pos = torch.unique(v[v < pt.big])  # sorted union over batch rows and heads
+        gathered = step_tile_lists(pt, q_pos, vert_pos, tiles=False)
+        flags.append(lists_have_work(gathered))
+        local = torch.searchsorted(q_pos, vert_pos).clamp(max=q_pos.numel() - 1)
+        owned = (local, q_pos[local] == vert_pos)
+    work = torch.stack(flags).tolist()
+    return StepLists(lists, {src: not w for src, w in zip(sources, work)}, vert_pos, gathered,
+                     not work[-1] if gather else True, owned)
 
 
 def _sparse_op(op: BlockAttentionOp | None, device: torch.device, tile: int) -> BlockAttentionOp:
@@ -429,6 +496,7 @@ def ring_attention(
     op: BlockAttentionOp | None = None,
     seq_len=None,
     layer_idx: int | None = None,
+    verticals: str = "gathered",
 ) -> torch.Tensor:
     """Causal attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -450,6 +518,9 @@ def ring_attention(
             Triton vertical-slash kernels on CUDA for sparse).
         seq_len: the real length before padding (int or one per batch row), for the estimator's probes.
         layer_idx: the layer, for per-layer budgets of a ``SparsityConfig``.
+        verticals: where a sparse ring computes the vertical columns: ``"gathered"`` (default) in one extra step
+            against their K/V gathered from every rank, which keeps the ring's steps balanced (Note [Gathered
+            verticals]); ``"arrival"`` at the step their key's chunk arrives. The same result either way.
 
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.
@@ -463,7 +534,7 @@ def ring_attention(
         op = default_block_op(q.device) if op is None else op
         if topo.cp_size == 1 and hasattr(op, "differentiable"):
             return op.differentiable(q, k, v, positions[0], positions[0], scale)
-        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None)
+        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None, None)
     if topo.cp_size > 1 and group is None and topo.outer_size > 1:
         raise ValueError(
             "sparse hierarchical ring attention needs group= (the whole CP group, for the pattern estimator) "
@@ -473,7 +544,8 @@ def ring_attention(
     pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
                               block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx)
     op = _sparse_op(op, q.device, pattern.tile_size)
-    plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n)
+    gather = verticals if topo.cp_size > 1 else "arrival"  # one rank holds every vertical already
+    plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n, gather)
     if topo.cp_size == 1 and hasattr(op, "differentiable") and not plan.skip[0]:
         return op.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0])
-    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan)
+    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan, est_group)

@@ -49,6 +49,9 @@ class SimulatedRing:
         time_steps: record each (rank, step) compute time in :attr:`timings` (CUDA events on GPU).
         pattern: a global :class:`~lightning_mtraining.pattern.VerticalSlashPattern` for the sparse ring (None: dense);
             each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per rank).
+        verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.ring_attention`; the
+            gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed over
+            the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class SimulatedRing:
         scale: float | None = None,
         time_steps: bool = False,
         pattern: VerticalSlashPattern | None = None,
+        verticals: str = "gathered",
     ) -> None:
         inner_size = world_size if inner_size is None else inner_size
         if world_size < 1 or inner_size < 1 or world_size % inner_size:
@@ -68,6 +72,7 @@ class SimulatedRing:
         self.world_size, self.layout, self.block_size = world_size, layout, block_size
         self.inner_size, self.outer_size = inner_size, world_size // inner_size
         self.op, self.scale, self.time_steps, self.pattern = op, scale, time_steps, pattern
+        self.verticals = verticals
         self.step_lists: list = []
         self.topos = [
             RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
@@ -115,7 +120,8 @@ class SimulatedRing:
             if W > 1:
                 _check_sparse_layout(n, W, self.layout, self.block_size, pattern.tile_size)
             op = _sparse_op(self.op, q.device, pattern.tile_size)
-            self.step_lists = [build_step_lists(pattern, pos, r, topo.sources(), q.shape[1], k.shape[1], n)
+            mode = self.verticals if W > 1 else "arrival"
+            self.step_lists = [build_step_lists(pattern, pos, r, topo.sources(), q.shape[1], k.shape[1], n, mode)
                                for r, topo in enumerate(self.topos)]
         qs = [shard(q, r) for r in range(W)]
         kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
@@ -127,19 +133,24 @@ class SimulatedRing:
                 tiles, skip = (None, False) if plan is None else plan.for_source(src)
                 with self._timed((r, step, "fwd"), q.device):
                     state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale, tiles, skip)
+            if plan is not None and plan.vert_pos is not None:  # the gathered vertical step
+                kv_v = torch.stack([k.index_select(2, plan.vert_pos), v.index_select(2, plan.vert_pos)])
+                with self._timed((r, W, "fwd"), q.device):
+                    state = forward_step(state, op, qs[r], kv_v, pos[r], plan.vert_pos, scale, plan.gathered,
+                                         plan.gathered_skip)
             states.append(state)
         self._collect()
         outs = [s[0].to(q.dtype) for s in states]
-        self._saved = (qs, kvs, outs, [s[1] for s in states], pos, op, scale)
+        self._saved = (qs, kvs, outs, [s[1] for s in states], pos, op, scale, (k, v))
         return outs
 
     def backward(self, douts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per-rank output gradients -> per-rank (dq, dk, dv) shards, as the real ring's backward returns them."""
         if self._saved is None:
             raise RuntimeError("call forward() before backward()")
-        qs, kvs, outs, lses, pos, op, scale = self._saved
+        qs, kvs, outs, lses, pos, op, scale, (k_full, v_full) = self._saved
         W, Wi, Wo = self.world_size, self.inner_size, self.outer_size
-        dqs, contrib = [], {}
+        dqs, contrib, gathered = [], {}, {}
         for r, topo in enumerate(self.topos):
             dq = torch.zeros(qs[r].shape, dtype=lses[r].dtype, device=qs[r].device)
             plan = self.step_lists[r]
@@ -150,6 +161,11 @@ class SimulatedRing:
                         dq, op, qs[r], kvs[src], outs[r], lses[r], douts[r].contiguous(), pos[r], pos[src], scale,
                         tiles, skip,
                     )
+            if plan is not None and plan.vert_pos is not None:
+                kv_v = torch.stack([k_full.index_select(2, plan.vert_pos), v_full.index_select(2, plan.vert_pos)])
+                with self._timed((r, W, "bwd"), qs[r].device):
+                    gathered[r] = backward_step(dq, op, qs[r], kv_v, outs[r], lses[r], douts[r].contiguous(), pos[r],
+                                                plan.vert_pos, scale, plan.gathered, plan.gathered_skip)
             dqs.append(dq.to(qs[r].dtype))
         self._collect()
         dks, dvs = [], []
@@ -163,6 +179,11 @@ class SimulatedRing:
                     d = contrib[(r, so * Wi + si)]
                     node_sum = d if node_sum is None else d + node_sum
                 total = node_sum if total is None else node_sum + total
+            if gathered:  # the columns' dK/dV summed over the ranks, added by their owner
+                plan = self.step_lists[c]
+                local, mine = plan.owned
+                dkv_v = sum(gathered[r] for r in range(W))
+                total = total.index_add(3, local, dkv_v * mine.view(1, 1, 1, -1, 1).to(dkv_v.dtype))
             dks.append(total[0].to(kvs[c].dtype))
             dvs.append(total[1].to(kvs[c].dtype))
         return dqs, dks, dvs

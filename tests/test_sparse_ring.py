@@ -57,7 +57,7 @@ CASES = [(layout, per_kv, dtype) for layout in LAYOUTS for per_kv in (False, Tru
          for dtype in (torch.float64, torch.float32)]
 
 
-def run_cases(rank, w, group=None, inner_group=None, outer_group=None, count_ops=False):
+def run_cases(rank, w, group=None, inner_group=None, outer_group=None, verticals="gathered"):
     results = {}
     op = TorchBlockOp(max_rows=24)  # chunks that straddle tiles: exercises the row-chunked tile masks
     for i, (layout, per_kv, dtype) in enumerate(CASES):
@@ -66,14 +66,14 @@ def run_cases(rank, w, group=None, inner_group=None, outer_group=None, count_ops
         sh = lambda x: shard_sequence(x, 2, rank, w, layout, T).to(dtype)  # noqa: E731
         ql, kl, vl = (sh(t).requires_grad_(True) for t in (q, k, v))
         out = ring_attention(ql, kl, vl, group=group, layout=layout, block_size=T, sparsity=pattern,
-                             inner_group=inner_group, outer_group=outer_group, op=op)
+                             inner_group=inner_group, outer_group=outer_group, op=op, verticals=verticals)
         out.backward(sh(do))
         results[(layout, per_kv, dtype)] = [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
     return results
 
 
-def worker_flat(rank, w):
-    return run_cases(rank, w, group=dist.group.WORLD)
+def worker_flat(rank, w, verticals="gathered"):
+    return run_cases(rank, w, group=dist.group.WORLD, verticals=verticals)
 
 
 def worker_hierarchical(rank, w, inner_size):
@@ -105,6 +105,12 @@ def check_against_reference(per_rank, w):
 @pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
 def test_flat_sparse_ring_matches_sparse_attention(w):
     check_against_reference(run_distributed(worker_flat, w, timeout=600), w)
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_flat_sparse_ring_with_verticals_at_arrival(w):
+    """The same result with each vertical computed at the step its key's chunk arrives (no gather)."""
+    check_against_reference(run_distributed(worker_flat, w, "arrival", timeout=600), w)
 
 
 @pytest.mark.parametrize("inner,outer", [(2, 2), (4, 2), (2, 4)])
@@ -229,11 +235,13 @@ def test_exact_counts_of_p2p_collectives_and_skipped_steps():
         assert calls == {"forward": 1, "backward": 1}, calls
         fwd, bwd, calls = res["estimated"]
         # estimation: probes all-reduced, normalisers gathered, slash partials reduce-scattered, then the vertical
-        # and slash candidates gathered (the one-time cross-rank shape check ran before counting)
+        # and slash candidates gathered (the one-time cross-rank shape check ran before counting); the gathered
+        # verticals: one all-reduce of their K/V in the forward, one of their dK/dV in the backward
         gathers = fwd.get("all_gather_single", 0) + fwd.get("all_gather_into_tensor", 0)
         scatters = fwd.get("reduce_scatter_single", 0) + fwd.get("reduce_scatter_tensor", 0)
-        assert fwd.get("all_reduce") == 1 and gathers == 3 and scatters == 1, fwd
-        assert fwd["batch_isend_irecv"] == w - 1 and bwd == {"batch_isend_irecv": 2 * w - 1}, (fwd, bwd)
+        assert fwd.get("all_reduce") == 2 and gathers == 3 and scatters == 1, fwd
+        assert fwd["batch_isend_irecv"] == w - 1, fwd
+        assert bwd == {"batch_isend_irecv": 2 * w - 1, "all_reduce": 1}, bwd
 
 
 # --- clear errors ------------------------------------------------------------------------------------------------
