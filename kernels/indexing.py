@@ -12,6 +12,9 @@ global positions ``q_pos`` / ``k_pos``. Two builders fill it:
 - :func:`pattern_tile_lists` (single device, positions ``0..S-1``): the vertical-slash pattern, see below. On
   CUDA it runs the Triton builder of :mod:`mtraining_kernels.list_builder` (5 kernels, one host sync); the torch
   code below is the CPU path and the reference it is tested against (same valid entries, counts and bits).
+- :func:`step_tile_lists` (one ring step: a query shard against another rank's key chunk, from the pattern prepared
+  once per layer by :func:`prepare_pattern_tiles`) and :func:`step_tile_lists_batched` (every step of a layer).
+  On CUDA the Triton builder (one kernel launch, no host sync); the torch code here is the CPU path and reference.
 
 Lists ``fwd_*`` are query-tile-major (forward and the dq kernel): for query tile ``m`` the key tiles
 ``fwd_idx[b, h, m, :fwd_cnt]``; the first ``fwd_nmask`` of them need the token-level mask (``k_pos <= q_pos``,
@@ -50,6 +53,7 @@ import torch
 __all__ = [
     "COL_CHUNK", "PatternTiles", "TileLists", "check_tile_aligned", "computed_tile_offsets", "dense_tile_lists",
     "expand_pattern", "lists_have_work", "pattern_tile_lists", "prepare_pattern_tiles", "step_tile_lists",
+    "step_tile_lists_batched",
 ]
 
 COL_CHUNK = 64  # gathered columns per kernel step; one int64 of bits per (query tile, chunk)
@@ -160,6 +164,13 @@ def _sorted_unique(x: torch.Tensor, valid: torch.Tensor, big: int) -> tuple[torc
     return xs, (xs < big).sum(-1)
 
 
+def _use_triton(backend: str, x: torch.Tensor) -> bool:
+    """Whether a list builder's ``backend`` argument selects the Triton builder for tensors like ``x``."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r}; expected 'auto', 'torch' or 'triton'")
+    return backend == "triton" or (backend == "auto" and x.is_cuda)
+
+
 def computed_tile_offsets(slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int) -> torch.Tensor:
     """Bool [B, H, Nk + r - 1]: entry u + r - 1 says whether tile offset u = m*r - t is computed (r = BM / BN).
 
@@ -200,8 +211,7 @@ def pattern_tile_lists(
     module's ~190 torch ops; the reference the Triton builder is tested against), or ``"auto"``: Triton on CUDA
     tensors, torch elsewhere. Both give the same valid list entries, counts and column bits.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend={backend!r}; expected 'auto', 'torch' or 'triton'")
+    use_triton = _use_triton(backend, vertical_idx)
     BM = block_m
     BN = block_m if block_n is None else block_n
     if BM % BN:
@@ -212,7 +222,7 @@ def pattern_tile_lists(
         )
     if vertical_idx.device != slash_idx.device:
         raise ValueError(f"vertical_idx is on {vertical_idx.device} but slash_idx is on {slash_idx.device}")
-    if backend == "triton" or (backend == "auto" and vertical_idx.is_cuda):
+    if use_triton:
         from mtraining_kernels.list_builder import pattern_tile_lists_triton
 
         return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, BM, BN)
@@ -342,7 +352,8 @@ def _compact(idx: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def step_tile_lists(
-    pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, columns: bool = True, tiles: bool = True
+    pt: PatternTiles, q_pos: torch.Tensor, k_pos: torch.Tensor, columns: bool = True, tiles: bool = True,
+    backend: str = "auto",
 ) -> TileLists:
     """Lists for queries at global positions ``q_pos`` against keys at ``k_pos`` (one ring step), T x T tiles.
 
@@ -355,7 +366,16 @@ def step_tile_lists(
 
     ``tiles=False``: no tile pairs (empty tile lists), columns only; ``k_pos`` may then be any increasing positions,
     e.g. the pattern's vertical keys gathered from every rank.
+
+    ``backend``: ``"triton"`` (:func:`mtraining_kernels.list_builder.step_tile_lists_triton`: one kernel launch, no
+    host sync), ``"torch"`` (~40 torch ops below: the CPU path and the reference the Triton builder is tested
+    against), or ``"auto"``: Triton on CUDA tensors, torch elsewhere. Both give the same valid list entries, counts,
+    ``col_idx`` and ``col_bits``; the padding of the tile lists past the counts differs (0 in the Triton lists).
     """
+    if _use_triton(backend, q_pos):
+        from mtraining_kernels.list_builder import step_tile_lists_triton
+
+        return step_tile_lists_triton(pt, q_pos, k_pos, columns, tiles)
     T = pt.tile
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int64), k_pos.to(torch.int64)
@@ -386,6 +406,26 @@ def step_tile_lists(
     b_nm = (ok & (U[:, :, None, :] == 0)).sum(-1, dtype=torch.int32)
     lists = TileLists(T, T, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm)
     return _with_columns(lists, pt, gq, k_pos, U) if columns else lists
+
+
+def step_tile_lists_batched(
+    pt: PatternTiles, q_pos: torch.Tensor, k_pos_steps: torch.Tensor, columns: bool = True, tiles: bool = True,
+    backend: str = "auto",
+) -> list[TileLists]:
+    """:func:`step_tile_lists` for several key chunks of one length at once (``k_pos_steps [W, Sk]``, e.g. every
+    ring step of a layer): ``[step_tile_lists(pt, q_pos, k_pos_steps[s], ...) for s in range(W)]``.
+
+    With the Triton backend all W steps are built by one kernel launch (the lists of step s are views of one
+    ``[W, ...]`` buffer per field); with torch, one :func:`step_tile_lists` call per step.
+    """
+    if k_pos_steps.dim() != 2:
+        raise ValueError(f"k_pos_steps must be [W, Sk] (the key positions of one step per row); got shape "
+                         f"{tuple(k_pos_steps.shape)}: torch.stack the steps' key positions (equal lengths)")
+    if _use_triton(backend, q_pos):
+        from mtraining_kernels.list_builder import step_tile_lists_batched_triton
+
+        return step_tile_lists_batched_triton(pt, q_pos, k_pos_steps, columns, tiles)
+    return [step_tile_lists(pt, q_pos, k, columns, tiles, backend="torch") for k in k_pos_steps]
 
 
 def _with_columns(lists: TileLists, pt: PatternTiles, gq: torch.Tensor, k_pos: torch.Tensor, U: torch.Tensor
