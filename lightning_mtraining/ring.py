@@ -73,6 +73,7 @@ from mtraining_kernels.indexing import (
     lists_have_work,
     prepare_pattern_tiles,
     step_tile_lists,
+    step_tile_lists_batched,
 )
 
 __all__ = [
@@ -451,7 +452,9 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
     pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size)
     q_pos = positions[cp_rank]
     gather = verticals == "gathered" and pt.verticals.numel() > 0
-    lists = {src: step_tile_lists(pt, q_pos, positions[src], columns=not gather) for src in sources}
+    # every step's lists in one builder call (one Triton launch on CUDA)
+    built = step_tile_lists_batched(pt, q_pos, torch.stack([positions[src] for src in sources]), columns=not gather)
+    lists = dict(zip(sources, built))
     flags = [lists_have_work(lists[src]) for src in sources]
     vert_pos = gathered = owned = None
     if gather:
