@@ -43,6 +43,12 @@ __all__ += ["causal_lm_loss", "causal_lm_targets"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.
-from lightning_mtraining.metrics import AttentionDensity, TokenPerplexity, TokensPerSecond, TokenWeightedLoss
+from lightning_mtraining.metrics import (
+    AttentionDensity,
+    AttentionRecall,
+    TokenPerplexity,
+    TokensPerSecond,
+    TokenWeightedLoss,
+)
 
-__all__ += ["AttentionDensity", "TokenPerplexity", "TokensPerSecond", "TokenWeightedLoss"]
+__all__ += ["AttentionDensity", "AttentionRecall", "TokenPerplexity", "TokensPerSecond", "TokenWeightedLoss"]

@@ -80,6 +80,9 @@ class SparseAttentionCallback(Callback):
         self.recall_rows = recall_rows
         self.prog_bar = prog_bar
         self._step_at_start: int | None = None
+        self._density: Any = None
+        self._recall: Any = None
+        self._overall: Any = None
 
     def layer_sparsity_fn(self, default: SparsityConfig | None) -> Callable[[int], SparsityConfig | None]:
         """``layer_idx -> SparsityConfig | None`` given the strategy's default ``sparsity``."""
@@ -132,12 +135,37 @@ class SparseAttentionCallback(Callback):
         schedule = getattr(trainer.strategy, "attention_schedule", None)
         if schedule is None or schedule.measured_at != self._step_at_start:
             return
-        metrics = schedule.metrics()
-        if not metrics:
+        stats = schedule.layer_stats()
+        if not stats:
             return
-        # every rank measured (the same step everywhere); DP groups saw different batches: average them
-        headline = {k: v for k, v in metrics.items() if k in _HEADLINE}
-        layers = {k: v for k, v in metrics.items() if k not in _HEADLINE}
-        pl_module.log_dict(headline, prog_bar=self.prog_bar, sync_dist=True, on_step=True, on_epoch=False)
-        if layers:
-            pl_module.log_dict(layers, prog_bar=False, sync_dist=True, on_step=True, on_epoch=False)
+        from lightning_mtraining.metrics import AttentionDensity, AttentionRecall
+
+        # Every rank measured this step. Density over the world is exact through the metric (pairs as weights:
+        # DP groups may hold sequences of different lengths); recall is a mean; imbalance a mean over DP groups.
+        num_layers = max(stats) + 1
+        if self._density is None or self._density.num_layers != num_layers:
+            self._density = AttentionDensity(num_layers).to(pl_module.device)
+            self._recall = AttentionRecall(num_layers).to(pl_module.device)
+            self._overall = AttentionDensity(1).to(pl_module.device)
+        density = self._density({i: s.allowed / max(1, s.causal) for i, s in stats.items()},
+                                {i: float(s.causal) for i, s in stats.items()})
+        allowed, causal = sum(s.allowed for s in stats.values()), sum(s.causal for s in stats.values())
+        overall = self._overall([allowed / max(1, causal)], [float(causal)])
+        for metric in (self._density, self._overall):
+            metric.reset()
+        logged = {f"attention/density/layer_{i}": density[i] for i in stats}
+        logged["attention/density"] = overall.reshape(-1)[0]
+        recalls = {i: s.recall for i, s in stats.items() if s.recall is not None}
+        if recalls:
+            recall = self._recall(recalls)
+            self._recall.reset()
+            logged.update({f"attention/recall/layer_{i}": recall[i] for i in recalls})
+            logged["attention/recall"] = sum(float(recall[i]) for i in recalls) / len(recalls)
+        imbalance = sum(s.step_max for s in stats.values()) / max(1.0, sum(s.step_mean for s in stats.values()))
+        pl_module.log("attention/imbalance", imbalance, prog_bar=self.prog_bar, sync_dist=True, on_step=True,
+                      on_epoch=False)
+        headline = {k: v for k, v in logged.items() if k in _HEADLINE}
+        layers = {k: v for k, v in logged.items() if k not in _HEADLINE}
+        # already world values (the metrics synced them): no sync_dist
+        pl_module.log_dict(headline, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        pl_module.log_dict(layers, prog_bar=False, on_step=True, on_epoch=False)

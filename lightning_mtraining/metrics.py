@@ -46,6 +46,7 @@ from torchmetrics import Metric
 
 __all__ = [
     "AttentionDensity",
+    "AttentionRecall",
     "TokenPerplexity",
     "TokenWeightedLoss",
     "TokensPerSecond",
@@ -227,3 +228,18 @@ class AttentionDensity(Metric):
         if finite.numel():
             out[f"{prefix}/mean"] = finite.mean()
         return out
+
+
+class AttentionRecall(AttentionDensity):
+    """Per-layer attention recall: the share of the true attention mass the sparse pattern keeps (1.0 = nothing
+    lost), as measured by :func:`~lightning_mtraining.estimation.attention_recall` on sampled query rows.
+
+    Same interface as :class:`AttentionDensity` (``update(recalls, weights=None)``, ``compute()`` ``[num_layers]``,
+    ``log_dict(values, prefix="recall")``); weights default to 1 per layer (a plain mean over ranks and steps).
+    """
+
+    higher_is_better = True
+
+    @staticmethod
+    def log_dict(values: Tensor, prefix: str = "recall") -> dict[str, Tensor]:
+        return AttentionDensity.log_dict(values, prefix)

@@ -138,7 +138,8 @@ class AttentionSchedule:
             step_max, step_mean = float(work.max(0).values.sum()), float(work.mean(0).sum())
         else:
             step_max = step_mean = float(allowed)
-        value = None if recall is None else float(recall.double().mean())
+        # a float32 sum of probabilities can exceed 1 by rounding (1 + 1e-8 seen): clamp for the [0, 1] metrics
+        value = None if recall is None else min(1.0, max(0.0, float(recall.double().mean())))
         self._stats[layer_idx] = LayerStats(allowed, causal, step_max, step_mean, value)
 
     def metrics(self) -> dict[str, float]:
@@ -163,6 +164,10 @@ class AttentionSchedule:
                 out[f"attention/recall/layer_{layer}"] = s.recall
         self._last = out
         return out
+
+    def layer_stats(self) -> dict[int, LayerStats]:
+        """The last measured forward's statistics per layer (empty before the first measurement)."""
+        return dict(self._stats)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}
