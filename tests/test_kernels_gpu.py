@@ -193,7 +193,7 @@ def _check_half(S, D, block, config=None, dtype=torch.bfloat16):
     against float32 for the kernel and for torch at ``dtype`` (``benchmarks/kernel_precision.py`` prints them)."""
     from lightning_mtraining.sparse import sparse_attention
     from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
-    from mtraining_kernels.reference import attention_chunked_ref, vertical_slash_mask
+    from mtraining_kernels.reference import vertical_slash_mask
     from mtraining_kernels.vertical_slash import vertical_slash_attention
 
     torch.manual_seed(0)
@@ -212,16 +212,24 @@ def _check_half(S, D, block, config=None, dtype=torch.bfloat16):
     def mask_rows(r0, r1):
         return vertical_slash_mask(vih, sih, S, bm, rows=(r0, r1), block_n=bn)
 
-    scale = D**-0.5
+    return _assert_half_rule((out, qg.grad, kg.grad, vg.grad), q, k, v, dout, mask_rows, D**-0.5, dtype)
+
+
+def _assert_half_rule(got, q, k, v, dout, mask_rows, scale, dtype, what="kernel"):
+    """The rule of the module docstring for ``got = (out, dq, dk, dv)`` computed from ``q, k, v, dout`` (in
+    ``dtype``) over the pairs ``mask_rows(r0, r1)``; returns the max abs errors against float32 of ``got`` and of
+    torch at ``dtype``."""
+    from mtraining_kernels.reference import attention_chunked_ref
+
     ref = attention_chunked_ref(q, k, v, dout, mask_rows, scale, torch.float32)
     same = attention_chunked_ref(q, k, v, dout, mask_rows, scale, dtype)
     names = ("out", "dq", "dk", "dv")
     ref4, same4 = (ref[0], *ref[2:]), (same[0], *same[2:])
-    err = _errors((out, qg.grad, kg.grad, vg.grad), ref4)
+    err = _errors(got, ref4)
     err_torch = _errors(same4, ref4)
     floor = 1e-3 * torch.finfo(dtype).eps / torch.finfo(torch.bfloat16).eps
     for n, e, et in zip(names, err, err_torch):
-        assert e <= 2 * et + floor, f"{n}: kernel error {e:.3e} > 2 x torch {dtype} error {et:.3e} + {floor:.1e}"
+        assert e <= 2 * et + floor, f"{n}: {what} error {e:.3e} > 2 x torch {dtype} error {et:.3e} + {floor:.1e}"
     return err, err_torch
 
 
