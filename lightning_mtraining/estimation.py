@@ -139,6 +139,13 @@ def _local_keys(n_total: int, cp_rank: int, cp_size: int, layout: str, block_siz
     return pos.to(device), idx.to(device), valid.to(device), start_pos.to(device), R
 
 
+@functools.lru_cache(maxsize=256)
+def _device_ints(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small int64 device tensor of host values, made once per (values, device): creating it is a blocking copy
+    (a host sync on CUDA), so the estimator's hot path reuses it instead."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def _seq_lens(seq_len, batch: int, n_total: int, what: str) -> list[int]:
     """The real length of every batch row as Python ints (host values: validation needs no device sync)."""
     if seq_len is None:
@@ -303,7 +310,7 @@ def _select(
     values, where = torch.gather(values, -1, by_score), torch.gather(where, -1, by_score)
     K = values.shape[-1]
     slot = torch.arange(K, device=dev)
-    budget = torch.tensor(budgets, device=dev)[None, :, None]
+    budget = _device_ints(tuple(budgets), dev)[None, :, None]
     keep = (slot < budget) & torch.isfinite(values)
     if top_p is not None:
         before = forced_mass[..., None] + torch.cumsum(values.nan_to_num(neginf=0.0), -1) - values.nan_to_num(
@@ -316,7 +323,7 @@ def _forced(count: int, lens: list[int], shape: tuple[int, int], device) -> torc
     """``[B, G, count]`` indices 0..count-1, -1 where >= the row's real length."""
     B, G = shape
     idx = torch.arange(count, device=device).expand(B, G, count)
-    lens_t = torch.tensor(lens, device=device)[:, None, None]
+    lens_t = _device_ints(tuple(lens), device)[:, None, None]
     return torch.where(idx < lens_t, idx, torch.full((), -1, dtype=torch.int64, device=device))
 
 
@@ -380,7 +387,7 @@ def estimate_pattern(
     G = H if config.pattern_heads == "query" else Hkv
     vert_budget, slash_budget = config.head_budgets(G, layer_idx)
     dev = q.device
-    lens_t = torch.tensor(lens, device=dev)
+    lens_t = _device_ints(tuple(lens), dev)
     with torch.no_grad():
         rows_pos = lens_t[:, None] - n + torch.arange(n, device=dev)[None, :]  # [B, n]
         probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
@@ -493,7 +500,7 @@ def attention_recall(
     with torch.no_grad():
         dev = q.device
         rows_pos = _recall_rows(rows, lens, dev)
-        if bool((rows_pos < 0).any()) or bool((rows_pos >= torch.tensor(lens, device=dev)[:, None]).any()):
+        if bool((rows_pos < 0).any()) or bool((rows_pos >= _device_ints(tuple(lens), dev)[:, None]).any()):
             raise ValueError(f"{what}: rows must be real positions of each sequence (0 <= row < seq_len {lens})")
         probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
         comp = computed_tile_offsets(full.slash_idx.to(dev), n_total, T, T)  # [B, H, NT]
