@@ -3,41 +3,50 @@
 Layers, lowest first (imports only point down):
 
 - ``mtraining_kernels`` (folder ``kernels/``): Triton vertical-slash sparse attention kernels.
-- core: :mod:`.layouts` (token layouts), :mod:`.attention_ops` (per-block attention ops),
-  :mod:`.ring` (flat and hierarchical ring attention), :mod:`.simulated` (single-process ring),
-  :mod:`.sparse` (single-device sparse attention), :mod:`.pattern` (online pattern estimation).
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+- core: :mod:`.layouts` (token layouts), :mod:`.pattern` (the pattern and its budgets), :mod:`.estimation`
+  (online pattern estimation, recall), :mod:`.balance` (exact work per rank and step), :mod:`.attention_ops`
+  (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse),
+  :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
   :mod:`.data`, :mod:`.metrics`, :mod:`.losses`.
 
-Importing this package registers the strategy name ``"mtraining"`` with the Trainer and Fabric
-strategy registries (Lightning has no entry point for strategies).
+Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
+``"mtraining_dense"`` (exact dense ring attention) with the Trainer and Fabric strategy registries (Lightning has
+no entry point for strategies).
 """
 
 # --- core -------------------------------------------------------------------------------
+from lightning_mtraining import balance
+from lightning_mtraining.estimation import attention_recall, estimate_pattern
 from lightning_mtraining.layouts import global_positions, shard_sequence, unshard_sequence
+from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 from lightning_mtraining.ring import ring_attention
 
 __all__ = [
+    "SparsityConfig",
+    "VerticalSlashPattern",
+    "attention_recall",
+    "balance",
+    "estimate_pattern",
     "global_positions",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
 ]
 
-# --- kernels / sparse (issue 4) -----------------------------------------------------------
+# --- single-device sparse attention ---------------------------------------------------------
 from lightning_mtraining.sparse import sparse_attention
 
 __all__ += ["sparse_attention"]
 
-# --- integration (issue 3) ----------------------------------------------------------------
+# --- integration --------------------------------------------------------------------------
 # Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.fabric import MTrainingFabricStrategy
 from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets
-from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.strategy import MTrainingStrategy
 
-__all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback", "SparsityConfig"]
+__all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets"]
 

@@ -74,9 +74,12 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             when the CP group spans several nodes (flat ring otherwise).
         layout: token layout of the shards.
         block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
-        sparsity: vertical-slash budgets, or ``None`` for dense (exact) ring attention. Not available in this
-            build yet: raises NotImplementedError at construction while the core's sparse ring is not implemented.
-        attention: per-layer options (Fabric has no callbacks the strategy can see, so pass it here).
+        sparsity: vertical-slash budgets for sparse ring attention (estimated online per layer and forward), or
+            ``None`` for dense (exact) ring attention. ``Fabric(strategy="mtraining")`` uses the paper's setting
+            (top-p 0.9, caps 4096), ``"mtraining_dense"`` dense. The numbers: :meth:`attention_metrics`.
+        attention: per-layer options and measuring cadence (a ``SparseAttentionCallback``; Fabric has no callbacks
+            the strategy can see, so pass it here). Fabric has no global step: the strategy counts optimizer steps
+            for the dense warm-up and the measurements.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: process-group timeout.
         start_method: how Fabric starts processes (as in Fabric's ``DDPStrategy``).
