@@ -43,3 +43,13 @@ def median_ms(fn, device: torch.device, grads=None, min_reps: int = 5) -> float:
     once = max(start.elapsed_time(end), 1e-3)
     return triton.testing.do_bench(fn, warmup=max(25.0, 1.5 * once), rep=max(200.0, (min_reps + 0.5) * once),
                                    grad_to_none=grads, return_mode="median")
+
+
+def write_results(path: str, info: dict, rows: list, print_table) -> None:
+    """The benchmarks' common ending: JSON ``{"info", "rows"}`` to ``path``, then the table, then where it went."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    print_table(rows)
+    print(f"wrote {path}")

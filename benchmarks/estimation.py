@@ -71,7 +71,7 @@ from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.sparse import sparse_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
-from _timing import median_ms as bench  # noqa: E402
+from _timing import median_ms as bench, write_results  # noqa: E402
 
 H, HKV, D = 16, 2, 128
 W_SIM = 8  # the simulated CP size of ``est8``
@@ -279,10 +279,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (or --cpu-smoke)")
     info, rows = run(args)
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
-    print_table(rows)
-    print(f"wrote {args.out}")
+    write_results(args.out, info, rows, print_table)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ a step whose kernels are shorter than their launches is timed at the host's pace
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -56,7 +55,7 @@ from lightning_mtraining.pattern import VerticalSlashPattern
 from lightning_mtraining.simulated import SimulatedRing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
-from _timing import median_ms  # noqa: E402
+from _timing import median_ms, write_results  # noqa: E402
 from imbalance import synthetic_pattern  # noqa: E402
 
 H, HKV, D, T = 16, 2, 128, 128
@@ -250,10 +249,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (or --cpu-smoke)")
     info, rows = run(args)
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
-    print_table(rows)
-    print(f"wrote {args.out}")
+    write_results(args.out, info, rows, print_table)
 
 
 if __name__ == "__main__":

@@ -85,3 +85,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if errors:
         raise RuntimeError("a distributed worker failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def hierarchical_groups(rank: int, world_size: int, inner_size: int):
+    """``(inner_group, outer_group)`` of this rank for rings of ``inner_size`` ranks (CP rank = outer * inner_size +
+    inner). Every rank must call it: it creates all the groups."""
+    outer_size = world_size // inner_size
+    inner = [dist.new_group([o * inner_size + i for i in range(inner_size)]) for o in range(outer_size)]
+    outer = [dist.new_group([o * inner_size + i for o in range(outer_size)]) for i in range(inner_size)]
+    o, i = divmod(rank, inner_size)
+    return inner[o], outer[i]

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from _interpreter import run_interpreter_checks
 
 CHECKS = [
     "pattern_fp32_gqa_ragged_per_head",
@@ -40,11 +41,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--json"], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert lines, f"interpreter checks crashed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreter_checks(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from _dist import hierarchical_groups, run_distributed
 from lightning_mtraining import global_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.attention_ops import TorchBlockOp, merge_attention, tile_classes
 from lightning_mtraining.layouts import LAYOUTS, layout_unit
@@ -70,11 +70,8 @@ def worker_flat(rank, w):
 
 
 def worker_hierarchical(rank, w, inner_size):
-    outer_size = w // inner_size
-    inner_groups = [dist.new_group([o * inner_size + i for i in range(inner_size)]) for o in range(outer_size)]
-    outer_groups = [dist.new_group([o * inner_size + i for o in range(outer_size)]) for i in range(inner_size)]
-    o, i = divmod(rank, inner_size)
-    return run_cases(rank, w, group=dist.group.WORLD, inner_group=inner_groups[o], outer_group=outer_groups[i])
+    inner_group, outer_group = hierarchical_groups(rank, w, inner_size)
+    return run_cases(rank, w, group=dist.group.WORLD, inner_group=inner_group, outer_group=outer_group)
 
 
 def rel_errors(per_rank, w):

@@ -22,21 +22,15 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from test_strategy import _lightning_module, elastic_env, make_samples, quiet
+from test_strategy import (  # noqa: F401 - _isolate_in_process_trainers is an autouse fixture, used by importing it
+    _isolate_in_process_trainers,
+    _lightning_module,
+    elastic_env,
+    make_samples,
+    quiet,
+)
 
 CFG = dict(top_p=0.9, max_vertical=6, max_slash=10, last_q=8, sink_tokens=2, local_window=16, tile_size=16)
-
-
-@pytest.fixture(autouse=True)
-def _isolate_in_process_trainers():
-    import torch.distributed as dist
-
-    env = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def fit_sparse(world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from _interpreter import run_interpreter_checks
 
 # (layout, W, sequence length, stripe block); T = 16 throughout. 384 = 2^7 * 3 fits every striped case.
 LAYOUTS = [
@@ -43,11 +44,7 @@ T = 16
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--json"], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert lines, f"interpreter checks crashed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreter_checks(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", CHECKS)
