@@ -434,8 +434,7 @@ def resolve_pattern(
             f"sparsity must be None (dense ring attention), a SparsityConfig (estimated online) or a "
             f"VerticalSlashPattern (used as given); got {type(sparsity).__name__}"
         )
-    if cp_size > 1:
-        _check_sparse_layout(n, cp_size, layout, block_size, pattern.tile_size)
+    _check_sparse_layout(n, cp_size, layout, block_size, pattern.tile_size)  # one rank too: whole tiles
     return pattern
 
 

@@ -117,8 +117,7 @@ class SimulatedRing:
         else:
             pattern = self.pattern.to(q.device)
             pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
-            if W > 1:
-                _check_sparse_layout(n, W, self.layout, self.block_size, pattern.tile_size)
+            _check_sparse_layout(n, W, self.layout, self.block_size, pattern.tile_size)
             op = _sparse_op(self.op, q.device, pattern.tile_size)
             mode = self.verticals if W > 1 else "arrival"
             self.step_lists = [build_step_lists(pattern, pos, r, topo.sources(), q.shape[1], k.shape[1], n, mode)
