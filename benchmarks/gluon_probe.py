@@ -1,6 +1,7 @@
 """Probe: a warp-specialised Hopper matmul in Gluon (Triton 3.6's low-level dialect), the building blocks that an
-FA3-style vertical-slash kernel needs (RESULTS.md kernel run 6: the Triton kernels run each step's matmuls and
-softmax serially; overlapping them takes hand-scheduled warps).
+FA3-style vertical-slash kernel needs (the Triton kernels run each step's matmuls and softmax serially: ncu on an
+H200, ``benchmarks/journal/kernels-2026-12-03.md``, "five launch options"; overlapping them takes hand-scheduled
+warps).
 
 One 1-warp producer partition issues TMA loads of A and B tiles into a ring of STAGES shared-memory buffers
 (``ready`` / ``empty`` mbarriers per stage); the default partition (``num_warps`` warps, one or two warpgroups)

@@ -1,8 +1,9 @@
 """An FA3-style forward of the vertical-slash kernel in Gluon (Triton 3.6), Hopper (sm_90) only.
 
 Why: the Triton forward runs each step's two matmuls and its softmax one after the other in every warp (ncu:
-tensor pipe 46% busy at 128K/20%, 25% at 32K/2%; ``benchmarks/RESULTS.md`` kernel run 6), and each program's
-load-Q / first-tile / store chain is serial with the next program's on the SM. This kernel is scheduled by hand:
+tensor pipe 46% busy at 128K/20%, 25% at 32K/2% on an H200; the hardware counters of
+``benchmarks/journal/kernels-2026-12-03.md``, "five launch options"), and each program's load-Q / first-tile /
+store chain is serial with the next program's on the SM. This kernel is scheduled by hand:
 
 - one program per SM (persistent), walking the (query tile, batch * head) work items heaviest first;
 - a producer partition (the default warpgroup, 24 registers per thread) issues TMA loads of the next work items'
@@ -12,7 +13,8 @@ load-Q / first-tile / store chain is serial with the next program's on the SM. T
   positions into shared memory (a gathered column the query tile did not select gets a position no query sees),
   so the consumers mask by one compare. The consumers free a K buffer (and its positions) as soon as the step's
   scores are computed, and a V buffer after P V: with one barrier for both, the next load into a buffer waited
-  for P V and the consumers then waited for K on every step (10-12% of the forward at 128K; kernel run 10);
+  for P V and the consumers then waited for K on every step (10-12% of the forward at 128K on an H200;
+  ``benchmarks/journal/kernels-2026-12-04.md``, "K freed early in the forward");
 - two consumer partitions (warpgroups, 240 registers per thread), each owning 64 of the 128 query rows, share
   the K/V buffers; within a consumer, the QK^T of step j is issued before step j-1's PV has finished
   (``warpgroup_mma`` is asynchronous): the softmax of step j runs while the tensor cores do PV of step j-1.
@@ -85,10 +87,11 @@ if HAS_GLUON:
         backwards. Work items come heaviest first, so a program that took a wave's heaviest item takes the next
         wave's lightest. The plain stride (item ``pid + i * nprog``) gave one program the heaviest item of every
         wave: at 128K/20% the dk/dv kernel's items (one key tile, 8 query heads) differ by up to ~3,300 steps,
-        and its SMs were busy 88% of the kernel (ncu, kernel run 12)."""
+        and its SMs were busy 88% of the kernel (ncu on an H200;
+        ``benchmarks/journal/kernels-2026-12-04.md``, "dk/dv load imbalance found")."""
         if SNAKE:
             w = i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
-        else:  # KernelConfig(item_order="strided"): the order of kernel runs 7-11
+        else:  # KernelConfig(item_order="strided"): the only order before the snake order was added
             w = pid + i * nprog
         return w
 
@@ -416,7 +419,8 @@ if HAS_GLUON:
                      SNAKE: gl.constexpr):
         """dq of 64 query rows: per step S = Q K^T and dP = dO V^T, dS = P (dP - delta), dq += dS K, the last one
         issued at the start of the next step, ahead of that step's S; the step's dP is issued once it has retired
-        (with all four in registers ptxas serialised every wgmma at D=128; kernel run 11)."""
+        (with all four in registers ptxas serialised every wgmma at D=128, 7-11% slower at 128K;
+        ``benchmarks/journal/kernels-2026-12-04.md``, "dq no longer serialised")."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -770,10 +774,11 @@ def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | Non
     """A host TMA descriptor of the contiguous ``t`` seen as ``[-1, D]`` rows, loaded ``rows`` at a time.
 
     Built without the dataclass's ``__post_init__`` checks (a descriptor built through the dataclass cost 9.9 us of
-    host time in kernel run 10's probe, ~15 per fwd+bwd; the saving itself was not timed): what they check holds by
-    construction here (contiguous bf16/fp16 rows of a power-of-two D >= 64, so 16-byte strides, an NVMMA layout, a
-    valid block) except the base address, checked below. With a ``cache`` (one dict per forward+backward), the
-    descriptor of tensor ``name`` is built once and reused."""
+    host time on the H200 machine's CPU, ~15 per fwd+bwd: ``benchmarks/journal/kernels-2026-12-04.md``,
+    "host cost of the eager call cut"; the saving itself was not timed): what they check holds by construction here
+    (contiguous bf16/fp16 rows of a power-of-two D >= 64, so 16-byte strides, an NVMMA layout, a valid block) except
+    the base address, checked below. With a ``cache`` (one dict per forward+backward), the descriptor of tensor
+    ``name`` is built once and reused."""
     D = t.shape[-1]
     if cache is not None:
         hit = cache.get((name, rows))
@@ -841,7 +846,8 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
 
     ``use_kernel`` (default: on CUDA) does it in one Triton launch (``_gather_columns_kernel``); otherwise ~15
     torch ops, the reference the kernel is tested against. Those ops' host time (0.48 ms per call at 32K / 2%,
-    twice per fwd+bwd) showed in the call's time (``benchmarks/RESULTS.md``, kernel run 7), hence the kernel."""
+    twice per fwd+bwd) showed in the call's time (``benchmarks/journal/kernels-2026-12-03.md``, "Gluon forward
+    and dq"), hence the kernel."""
     B, Hkv, _, D = k.shape
     ci = tiles.col_idx
     NC = ci.shape[-1]
@@ -983,7 +989,8 @@ def gluon_block_forward(
 def _snake(item_order: str) -> bool:
     """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards: the
     default of :func:`gluon_block_dkdv`) or "strided" (program p runs items p, p + P, p + 2P, ...: the default of the
-    others). These defaults are ``KernelConfig(item_order="auto")``'s choice (kernel run 13)."""
+    others). These defaults are ``KernelConfig(item_order="auto")``'s choice: snake made dk/dv 5% faster and dq
+    6-8% slower at 128K on an H200 (``benchmarks/journal/kernels-2026-12-04.md``, "snake item order for dk/dv")."""
     if item_order not in ("snake", "strided"):
         raise ValueError(f"gluon kernels: item_order={item_order!r}; expected 'snake' or 'strided'")
     return item_order == "snake"
@@ -1081,7 +1088,8 @@ def gluon_block_dkdv(
     tile of its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
     ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors. ``cache``: as
     in :func:`gluon_block_forward` (the Q and dO descriptors of the dq kernel are reused). The default on sm_90
-    (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md`` kernel run 8."""
+    (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md``, Kernels, and
+    ``benchmarks/journal/kernels-2026-12-03.md``, "Gluon dk/dv"."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv", q, k, v, dout, lse2, delta, q_pos,
                                                                 k_pos, tiles)
     B, H, Sq, D = q.shape
@@ -1265,7 +1273,8 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
 def wgmma_serialization_note(ptx: str) -> str | None:
     """What ``ptxas -v`` (Triton's bundled one, sm_90a) says when it serialised the wgmma instructions of ``ptx``
     (waits for every wgmma right after issuing it, so nothing overlaps the tensor cores in the warpgroup: the
-    Gluon dq kernel's D=128 build was so until kernel run 11, 7-11% slower); None when it did not."""
+    Gluon dq kernel's D=128 build was so, and 7-11% slower at 128K, until fixed:
+    ``benchmarks/journal/kernels-2026-12-04.md``, "dq no longer serialised"); None when it did not."""
     import os
     import subprocess
     import tempfile

@@ -41,7 +41,8 @@ Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and sm
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
 are int32; one host sync reads the list width L and the gathered-column count. Measured on an H200 at 128K
 (16 heads, ~1100 verticals): Triton builder 0.24-0.56 ms, torch builder 1.8-3.5 ms (~190 small ops; launch-bound),
-``benchmarks/RESULTS.md`` kernel run 4.
+``benchmarks/journal/kernels-2026-12-02.md``, "Triton list builder"; the current figures: ``benchmarks/RESULTS.md``,
+Kernels (``idx ms``).
 """
 
 from __future__ import annotations

@@ -27,17 +27,19 @@ Algorithm (flash-attention 2 style, online softmax in base 2):
   epilogue launch (``_dkdv_cols_epilogue_kernel``: one program per 32 key rows of a KV head) adds them into float32
   dk/dv in a fixed order (the query heads of the group; a head's columns are unique, padding slots add exact zeros)
   and casts the result. Those two launches replaced ~16 torch ops (index arithmetic, one ``index_add_`` per query
-  head, a cast) whose host time showed at 32K (kernel run 10).
-  Measured alternatives, not kept (``benchmarks/RESULTS.md``, kernel runs 3 to 6): dq accumulated inside the
-  dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per tile pair instead of 7) was 2-16%
-  slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower (spills); 64-slot column dk/dv
-  programs made the whole call 12-23% slower than 128-slot ones (separate runs); ONE forward/dq loop over tiles
-  and columns (every step masked and gathered) was 10-78% slower in the forward (run 5); one masked loop over
-  the tiles (+21% per tile), the list scalars loaded before Q, delta computed in the dq kernel, persistent grids
-  and dk/dv on a second stream concurrent with dq gave nothing or lost (run 6). Kept as options, not
-  defaults (run 5): forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs
-  per SM), with 64-key steps, are 2-4% faster at 32K for 2-5% density, within 1.3% at 32K/10% and 128K/2%, and
-  3-7% slower at 32K/20% and 128K/5-20%. Default since run 5: the heaviest query tiles are launched first
+  head, a cast) whose host time showed at 32K (``benchmarks/journal/kernels-2026-12-04.md``, "host cost of the
+  eager call cut").
+  Measured alternatives, not kept (``benchmarks/journal/kernels-2026-12-02.md``, "flat loops" and "Triton list
+  builder, branchless column loops"; ``kernels-2026-12-03.md``, "heaviest query tiles first" and "five launch
+  options"): dq accumulated inside the dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per
+  tile pair instead of 7) was 2-16% slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower
+  (spills); 64-slot column dk/dv programs made the whole call 12-23% slower than 128-slot ones (separate runs); ONE
+  forward/dq loop over tiles and columns (every step masked and gathered) was 10-78% slower in the forward; one
+  masked loop over the tiles (+21% per tile), the list scalars loaded before Q, delta computed in the dq kernel,
+  persistent grids and dk/dv on a second stream concurrent with dq gave nothing or lost. Kept as options, not
+  defaults: forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs per SM),
+  with 64-key steps, are 2-4% faster at 32K for 2-5% density, within 1.3% at 32K/10% and 128K/2%, and 3-7% slower
+  at 32K/20% and 128K/5-20%. Default: the heaviest query tiles are launched first
   (``KernelConfig.heavy_first``: 2-3.4% faster at 128K/20%, 1-1.5% slower at 128K/5-10%, neutral at 32K; kept for
   the densest, slowest calls).
 
@@ -257,7 +259,8 @@ def _num_warps(bm: int, bn: int, d: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch settings of the kernels (defaults chosen on an H200: ``benchmarks/RESULTS.md``, kernel runs 3-4).
+    """Launch settings of the kernels (defaults chosen on an H200 by the sweeps of
+    ``benchmarks/journal/kernels-2026-12-02.md``; the times they give: ``benchmarks/RESULTS.md``, Kernels).
 
     Args:
         fwd_warps / bwd_warps: warps per program (None: 8 for head dim >= 64, else 4).
@@ -279,27 +282,32 @@ class KernelConfig:
         forward: which forward kernel: "triton" (this module's), "gluon" (the warp-specialised Hopper kernel of
             :mod:`mtraining_kernels.gluon_hopper`; an error where it cannot run), or "auto" (the default: gluon
             where it can run, i.e. sm_90, bf16/fp16, head dim 64/128, 128 x 128 tiles; triton elsewhere, so CPU,
-            the interpreter and other GPUs are unchanged). Kernel run 7 in ``benchmarks/RESULTS.md``.
+            the interpreter and other GPUs are unchanged). On an H200 the Gluon forward and dq took 5-16% off the
+            call when they came, except at 32K/2% (host-bound; ``benchmarks/journal/kernels-2026-12-03.md``,
+            "Gluon forward and dq").
         dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
             Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`).
         dkdv: the dk/dv kernel of the key tiles, the same choice ("auto" = the default; the Gluon one is
-            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; kernel run 8).
+            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; ``benchmarks/journal/kernels-2026-12-03.md``,
+            "Gluon dk/dv").
         dkdv_cols: the gathered columns' dk/dv, the same choice: "gluon" runs the Gluon dk/dv kernel over the
             columns' dense rows (:func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv_cols`; ``col_split`` parts
             per 128-slot chunk pair), "triton" the Triton column kernel (``col_block``, ``col_sub_m``,
-            ``col_split``). Kernel run 11 in ``benchmarks/RESULTS.md``.
+            ``col_split``). On an H200 the Gluon one took 3-9% off 32K calls (CUDA-graph replays and GPU-bound
+            rows; ``benchmarks/journal/kernels-2026-12-04.md``, "Gluon column dk/dv").
         k_stages: buffers of the K ring of the Gluon forward and dq kernels (2 or 3; V keeps 2). K is freed as soon
             as a step's scores are computed, so a third buffer lets its load start one more step ahead; at head dim
             128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have. Measured on an
-            H200 (``benchmarks/RESULTS.md``, kernel run 10): 3 is 4% slower at 128K/20% and equal elsewhere, so the
-            default is 2; the results are bit-identical either way.
+            H200 (``benchmarks/journal/kernels-2026-12-04.md``, "K freed early in the forward"): 3 is 4% slower at
+            128K/20% and equal elsewhere, so the default is 2; the results are bit-identical either way.
         item_order: the order in which the persistent Gluon kernels' programs take their work items (heaviest
             first): "snake" (every other wave of items walked backwards, so the program that took one wave's
             heaviest item takes the next wave's lightest), "strided" (program p takes items p, p + P, p + 2P, ...:
-            kernel runs 7-11) or "auto" (the default: snake for the dk/dv kernel of the key tiles, strided for the
-            forward, dq and column dk/dv kernels). The strided order gave one dk/dv program the heaviest item of
-            every wave (its SMs were busy 88% of its time at 128K/20%, kernel run 12); the snake order made dk/dv
-            5% faster and dq 6-8% slower at 128K (kernel run 13), whose items are ~16x smaller, so "auto" takes
+            the first order) or "auto" (the default: snake for the dk/dv kernel of the key tiles, strided for the
+            forward, dq and column dk/dv kernels). On an H200 the strided order gave one dk/dv program the heaviest
+            item of every wave (its SMs were busy 88% of its time at 128K/20%); the snake order made dk/dv 5%
+            faster and dq 6-8% slower at 128K (``benchmarks/journal/kernels-2026-12-04.md``, "dk/dv load
+            imbalance found" and "snake item order for dk/dv"), whose items are ~16x smaller, so "auto" takes
             it only where it pays. Results are bit-identical in every order.
     """
 
@@ -675,7 +683,7 @@ def _dkdv_cols_epilogue_kernel(
 
 
 # the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch; host time decides
-# short calls: benchmarks/RESULTS.md, kernel runs 8-10)
+# short calls such as 32K at 2%: benchmarks/journal/kernels-2026-12-04.md, "host cost of the eager call cut")
 _LAUNCH_FWD, _LAUNCH_PRE, _LAUNCH_DQ, _LAUNCH_DKDV, _LAUNCH_COLS, _LAUNCH_EPI = (
     Launcher(fn) for fn in (_vs_fwd_kernel, _bwd_preprocess_kernel, _vs_bwd_dq_kernel, _vs_bwd_dkdv_kernel,
                             _vs_bwd_dkdv_cols_kernel, _dkdv_cols_epilogue_kernel))
@@ -920,8 +928,9 @@ def block_backward(
                 dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
                      num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
             )
-        # the parts summed in a fixed order (torch: parallel over the slots; kernel run 10 summed them inside the
-        # epilogue, which made the program holding the sink columns a 1-3 ms tail), then one launch adds the
+        # the parts summed in a fixed order (torch: parallel over the slots; a first version summed them inside the
+        # epilogue, which made the program holding the sink columns a 1-3 ms tail: H200,
+        # benchmarks/journal/kernels-2026-12-04.md, "host cost of the eager call cut"), then one launch adds the
         # partials into dkv (float32, in place) and writes the result in the grads' dtype
         part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]
         res = dkv if gdt == torch.float32 else torch.empty(2, B, Hkv, Sk, D, dtype=gdt, device=q.device)

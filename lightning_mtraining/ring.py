@@ -35,7 +35,7 @@ Note [Gathered verticals]
 In a sparse ring a vertical column (a key every later query attends to) would be computed at the step its key's
 chunk arrives. The attention sinks all live in the first tile, on one rank, so with verticals at arrival the
 step that brings that chunk is heavier for whichever rank holds it then, and every step waits for its slowest rank
-(``benchmarks/RESULTS.md``, imbalance: striped critical path 1.059 at W=32, 512K, against 1.005 gathered). Instead,
+(``benchmarks/RESULTS.md``, Balance: striped critical path 1.059 at W=32, 512K, against 1.005 gathered). Instead,
 each layer gathers the K/V rows of the pattern's verticals from their owners (one all-reduce of
 ``[2, B, Hkv, NV, D]``, NV = the union of the verticals over batch rows and heads: a few MB against the ring's
 chunks) and every rank computes its own queries' vertical pairs in one extra step, so vertical work follows the

@@ -29,7 +29,9 @@ from mtraining_kernels.reference import attention_ref, vertical_slash_mask
 
 __all__ = ["sparse_attention"]
 
-DEFAULT_BLOCK_SIZE = 128  # H200: 1.8-2.2x the throughput of 64 x 64 per computed pair (RESULTS.md, kernel run 3)
+# H200: 1.8-2.2x the throughput of 64 x 64 tiles per computed pair (benchmarks/journal/kernels-2026-12-02.md,
+# "flat loops, 128 x 128 tiles")
+DEFAULT_BLOCK_SIZE = 128
 _MAX_SCORES = 1 << 24  # score elements per chunk on the reference path (64 MiB in float32)
 
 
@@ -124,7 +126,8 @@ def sparse_attention(
             for BM x BN tiles, BM a multiple of BN. Coarser tiles run faster per computed pair but compute more
             pairs per isolated slash line (an off-grid slash costs about 2T keys per query): 128 (the default)
             is fastest for windows and runs of neighbouring slashes, 64 or (128, 64) can win for many isolated
-            slashes; ``benchmarks/RESULTS.md`` has both measured on one pattern.
+            slashes; both measured on one pattern: ``benchmarks/journal/kernels-2026-12-02.md``, "One pattern,
+            three tile shapes".
 
     Returns:
         ``[B, H, S, D]`` in q's dtype. Rows that see no key (only possible with an empty pattern) are 0.

@@ -69,8 +69,9 @@ def test_kernel_config_kernel_choices_are_validated():
 
 
 def test_item_order_auto_snakes_only_the_dk_dv_kernel():
-    # kernel run 13: the snake order made the dk/dv kernel 5% faster and dq 6-8% slower at 128K, so "auto" (the
-    # default) takes it for dk/dv only; an explicit order applies to all four kernels
+    # on an H200 the snake order made the dk/dv kernel 5% faster and dq 6-8% slower at 128K
+    # (benchmarks/journal/kernels-2026-12-04.md, "snake item order for dk/dv"), so "auto" (the default) takes it
+    # for dk/dv only; an explicit order applies to all four kernels
     kernels = ("forward", "dq", "dkdv", "dkdv_cols")
     assert [KernelConfig().order_of(n) for n in kernels] == ["strided", "strided", "snake", "strided"]
     for order in ("snake", "strided"):
@@ -185,5 +186,6 @@ def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_pr
     # seen before the forward's key positions moved to shared memory were spills on the critical path
     assert rep["stack"] is not None and rep["stack"] <= 64, rep
     # every wgmma waited for as soon as it is issued: what ptxas does when an in-flight accumulator is copied or
-    # the registers run out (the D=128 dq kernel was so until kernel run 11; fixed, 7.6% faster at 128K/20%)
+    # the registers run out (the D=128 dq kernel was so until fixed, which made it 7.6% faster at 128K/20% on an
+    # H200: benchmarks/journal/kernels-2026-12-04.md, "dq no longer serialised")
     assert rep["wgmma_serialized"] is None, rep
