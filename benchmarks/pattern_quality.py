@@ -1,0 +1,436 @@
+"""Recall and density of the online vertical-slash estimator, per layer, on a small model trained briefly on the
+embedded corpus (CPU, single process, no GPU).
+
+Command (repo root; the corpus is built on first use by :func:`lightning_mtraining.data.build_stdlib_corpus`; 28
+minutes on 2 CPU cores shared with other jobs, of which 19 training at 5-15 s a step)::
+
+    python benchmarks/pattern_quality.py --data-dir data/stdlib_bytes --steps 100 \\
+        --out benchmarks/pattern_quality.json --plot benchmarks/pattern_quality.png \\
+        --save-patterns /tmp/pattern_quality_patterns
+    python benchmarks/pattern_quality.py --replot --out benchmarks/pattern_quality.json \\
+        --plot benchmarks/pattern_quality.png   # tables and PNG again from the JSON, no compute
+
+    # then the load imbalance of the ring on the estimated patterns (benchmarks/imbalance.py, its input (b)):
+    python benchmarks/imbalance.py --patterns /tmp/pattern_quality_patterns/topp0.9_t128_32k.pt \\
+        --world 2 4 8 16 --inner 0 4 --out /tmp/imbalance_estimated.json   # seconds
+
+    python benchmarks/pattern_quality.py --smoke --out /tmp/pq_smoke.json   # seconds: tiny model, 2K/4K tokens
+
+What it does:
+
+1. Model: ``examples/train.py``'s ``build_model("qwen2", --model-size)`` (random init, seeded; "small" = hidden 256,
+   4 layers, 8 query heads, 2 KV heads, head dim 32), float32, attention through SDPA.
+2. Training: a plain loop, batch 1, ``--train-seq`` tokens (8192), AdamW (lr ``--lr``, betas 0.9/0.95, weight decay
+   0.1, linear warm-up then cosine to 10%, gradient clip 1.0), ``--steps`` steps on windows drawn in a seeded order
+   from every chunk of the corpus but the last. Random init attends almost uniformly: a top-p pattern of it keeps
+   nearly everything; training makes attention local and peaked, which is what the estimator is for.
+3. Held-out windows: one window per length in ``--seqlens`` (8K, 16K, 32K), all starting ``--eval-offset`` tokens
+   into the corpus' LAST chunk (never trained on), so the shorter windows are prefixes of the longer ones.
+4. Capture: an attention function registered with ``transformers.AttentionInterface`` records every layer's
+   post-RoPE query ``[1, H, N, D]`` and key ``[1, Hkv, N, D]`` and returns SDPA's output; one forward per length,
+   before training ("init") and after ("trained"), which also gives the held-out loss.
+5. Per length, layer and config: ``estimate_pattern(q, k, cfg)`` (one process, no group; time: median of 3 after
+   a warm-up), ``pattern.density(N)`` (exact share of the causal pairs the kernels compute) and
+   ``attention_recall(q, k, pattern, rows=--rows)`` (share of the true softmax mass of ``--rows`` evenly spaced
+   query rows, the last included, that the pattern keeps), each per head; the table shows head means. A pattern
+   that covers everything (``VerticalSlashPattern.full``) is checked to give recall 1 once per length.
+
+Configs (one pattern per query head, last_q 64, 4 sinks, local window 128): top-p 0.9 with at most 4096 verticals
+and 4096 slashes (MTraining's training setting) and top-k 256 verticals / 64 slashes, each at tile 128 and 64.
+Slashes are computed at tile granularity: a slash crosses one or two T x T tile diagonals, and the local window
+(offsets 0..127) alone covers tile diagonals 0 and 1 at T = 128. An N-token sequence has only N / T tile
+diagonals (64 at 8K, T = 128), so a few dozen scattered slashes already cover most of them; density at short
+lengths and large tiles is bounded below by that, not by the selection.
+
+Output: a Markdown table (trained model: density / recall per length, layer and config; random init: the means
+over layers), the estimation times, a JSON of every per-head number (``--out``), a PNG (``--plot``: one column per
+config, density above and recall below, x = layer, one colour per length, trained solid and init dotted), and with
+``--save-patterns DIR`` the trained model's patterns at ``--save-lengths`` (16K, 32K), one file per config, tile and
+length, ``DIR/{config}_t{tile}_{N/1024}k.pt``: ``torch.save`` of a list (one per layer) of dicts with
+``vertical_idx``, ``slash_idx``, ``tile_size``, ``seq_len`` and ``layer``, the format ``benchmarks/imbalance.py
+--patterns`` loads (it concatenates the layers along the head axis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
+from _timing import median_ms  # noqa: E402
+
+from lightning_mtraining import data  # noqa: E402
+from lightning_mtraining.estimation import attention_recall, estimate_pattern  # noqa: E402
+from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern  # noqa: E402
+
+ATTENTION_NAME = "pattern_quality_capture"  # no "flash" in it: transformers would fetch a hub kernel by that name
+CPU = torch.device("cpu")
+
+
+def load_train_example():
+    """``examples/train.py`` as a module (``build_model``, ``MODEL_SIZES``): the example's model, not a copy."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    spec = importlib.util.spec_from_file_location("mtraining_train_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def configs(tiles: list[int], top_p: float, caps: tuple[int, int], topk: tuple[int, int]) -> dict[str, SparsityConfig]:
+    out = {}
+    for tile in tiles:
+        out[f"topp{top_p:g}_t{tile}"] = SparsityConfig(top_p=top_p, max_vertical=caps[0], max_slash=caps[1],
+                                                       tile_size=tile)
+        out[f"topk{topk[0]}_{topk[1]}_t{tile}"] = SparsityConfig(vertical_topk=topk[0], slash_topk=topk[1],
+                                                                 tile_size=tile)
+    return out
+
+
+class QKRecorder:
+    """Attention function: records ``(query, key, scaling)`` per ``module.layer_idx`` while ``recording``, and
+    returns SDPA's result (``[B, S, H, D]``, None) either way."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.qk: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if self.recording:
+            self.qk[module.layer_idx] = (query.detach().clone(), key.detach().clone(), float(scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# data: training windows from every chunk but the last, held-out windows from the last
+# --------------------------------------------------------------------------------------------------------------
+
+
+def chunk_windows(data_dir: str, seq_len: int) -> list[int]:
+    """Windows of ``seq_len`` tokens per litdata chunk, in the unshuffled dataset's order (a chunk's tail shorter
+    than ``seq_len`` is skipped by ``TokensLoader``)."""
+    index = json.loads((Path(data_dir) / "index.json").read_text())
+    return [chunk["dim"] // seq_len for chunk in index["chunks"]]
+
+
+def heldout_windows(data_dir: str, seqlens: list[int], offset: int) -> dict[int, torch.Tensor]:
+    """``{N: input_ids [1, N]}``: the window of N tokens at ``offset`` tokens into the last chunk, for every N."""
+    out = {}
+    for n in seqlens:
+        if offset % n:
+            raise ValueError(f"--eval-offset {offset} must be a multiple of every length ({n})")
+        per_chunk = chunk_windows(data_dir, n)
+        if offset // n >= per_chunk[-1]:
+            raise ValueError(f"the last chunk holds {per_chunk[-1]} windows of {n} tokens; lower --eval-offset")
+        ds = data.token_dataset(data_dir, n, shuffle=False)
+        out[n] = ds[sum(per_chunk[:-1]) + offset // n]["input_ids"][None]
+    first = out[min(seqlens)]
+    for n, ids in out.items():  # the index arithmetic above is right iff the windows are prefixes of each other
+        if not torch.equal(ids[:, : first.shape[1]], first):
+            raise RuntimeError(f"held-out window of {n} tokens does not start where the {first.shape[1]}-token one does")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train(model, args) -> list[dict]:
+    ds = data.token_dataset(args.data_dir, args.train_seq, shuffle=False)
+    n_train = sum(chunk_windows(args.data_dir, args.train_seq)[:-1])
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed))[: args.steps].tolist()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = max(1, args.warmup_steps)
+
+    def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, args.steps - warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    model.train()
+    history = []
+    for step, window in enumerate(order):
+        t0 = time.perf_counter()
+        ids = ds[window]["input_ids"][None]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append({"step": step, "window": window, "loss": loss.item(), "grad_norm": float(grad_norm),
+                        "seconds": time.perf_counter() - t0})
+        if step % 10 == 0 or step == len(order) - 1:
+            print(f"  step {step:4d}  loss {loss.item():.4f}  {history[-1]['seconds']:.1f} s", flush=True)
+    model.eval()
+    return history
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------------------------
+
+
+def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs: dict[str, SparsityConfig],
+            state: str, args, save: dict | None) -> tuple[list[dict], dict[int, float]]:
+    """Rows of (state, N, layer, config) with per-head density and recall; held-out loss per N."""
+    rows, losses = [], {}
+    for n, ids in windows.items():
+        recorder.qk.clear()
+        recorder.recording = True
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            losses[n] = model(input_ids=ids, labels=ids).loss.item()
+        recorder.recording = False
+        print(f"[{state}] {n // 1024}K tokens: held-out loss {losses[n]:.4f} (forward {time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        for layer in sorted(recorder.qk):
+            q, k, scale = recorder.qk[layer]
+            if layer == 0:  # the recall of a pattern that covers everything must be 1 (rows' softmax sums to 1)
+                full = VerticalSlashPattern.full(1, q.shape[1], n, tile_size=128)
+                one = attention_recall(q, k, full, rows=args.rows, scale=scale)
+                if not torch.allclose(one, torch.ones_like(one), atol=1e-4):
+                    raise RuntimeError(f"attention_recall of the full pattern is {one.tolist()}, not 1")
+            for name, cfg in cfgs.items():
+                est_ms = median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU)
+                pattern = estimate_pattern(q, k, cfg, scale=scale)
+                t0 = time.perf_counter()
+                recall = attention_recall(q, k, pattern, rows=args.rows, scale=scale)[0]
+                recall_s = time.perf_counter() - t0
+                density = pattern.density(n)[0]
+                n_vert = (pattern.vertical_idx[0] >= 0).sum(-1)
+                n_slash = (pattern.slash_idx[0] >= 0).sum(-1)
+                rows.append({
+                    "state": state, "seq": n, "layer": layer, "config": name, "tile": cfg.tile_size,
+                    "density": float(density.mean()), "recall": float(recall.mean()),
+                    "recall_min": float(recall.min()), "density_max": float(density.max()),
+                    "density_per_head": density.tolist(), "recall_per_head": recall.tolist(),
+                    "verticals_per_head": n_vert.tolist(), "slashes_per_head": n_slash.tolist(),
+                    "estimate_ms": est_ms, "recall_s": recall_s,
+                })
+                if save is not None and n in save["lengths"]:
+                    save["patterns"].setdefault((name, n), []).append({
+                        "vertical_idx": pattern.vertical_idx.clone(), "slash_idx": pattern.slash_idx.clone(),
+                        "tile_size": cfg.tile_size, "seq_len": n, "layer": layer,
+                    })
+            r = [x for x in rows if x["seq"] == n and x["layer"] == layer]
+            print(f"  layer {layer}: " + "  ".join(f"{x['config']} {x['density']:.3f}/{x['recall']:.3f}" for x in r),
+                  flush=True)
+        recorder.qk.clear()
+    return rows, losses
+
+
+# --------------------------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------------------------
+
+
+def print_tables(rows: list[dict], cfg_names: list[str], losses: dict) -> None:
+    head = " | ".join(cfg_names)
+    print("\ncells: density / recall (means over the query heads)")
+    print(f"\ntrained model\n\n| tokens | layer | {head} |\n|" + "---|" * (2 + len(cfg_names)))
+    trained = [r for r in rows if r["state"] == "trained"]
+    for n in sorted({r["seq"] for r in trained}):
+        for layer in sorted({r["layer"] for r in trained}):
+            by = {r["config"]: r for r in trained if r["seq"] == n and r["layer"] == layer}
+            print(f"| {n // 1024}K | {layer} | "
+                  + " | ".join(f"{by[c]['density']:.3f} / {by[c]['recall']:.3f}" for c in cfg_names) + " |")
+    print(f"\nmeans over layers\n\n| model | tokens | held-out loss | {head} |\n|" + "---|" * (3 + len(cfg_names)))
+    for state in ("init", "trained"):
+        for n in sorted({r["seq"] for r in rows if r["state"] == state}):
+            cells = []
+            for c in cfg_names:
+                sel = [r for r in rows if r["state"] == state and r["seq"] == n and r["config"] == c]
+                cells.append(f"{sum(r['density'] for r in sel) / len(sel):.3f} / "
+                             f"{sum(r['recall'] for r in sel) / len(sel):.3f}")
+            print(f"| {state} | {n // 1024}K | {losses[state][n]:.3f} | " + " | ".join(cells) + " |")
+    print(f"\nestimate_pattern ms (median of 3, mean over layers)\n\n| model | tokens | {head} |\n|"
+          + "---|" * (2 + len(cfg_names)))
+    for state in ("init", "trained"):
+        for n in sorted({r["seq"] for r in rows if r["state"] == state}):
+            cells = []
+            for c in cfg_names:
+                sel = [r["estimate_ms"] for r in rows if r["state"] == state and r["seq"] == n and r["config"] == c]
+                cells.append(f"{sum(sel) / len(sel):.1f}")
+            print(f"| {state} | {n // 1024}K | " + " | ".join(cells) + " |")
+
+
+def plot(rows: list[dict], cfg_names: list[str], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = sorted({r["seq"] for r in rows})
+    layers = sorted({r["layer"] for r in rows})
+    low = 10 ** (math.floor(2 * math.log10(min(r["density"] for r in rows))) / 2)  # down to a half decade
+    colors = dict(zip(seqs, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    fig, axes = plt.subplots(2, len(cfg_names), figsize=(4.2 * len(cfg_names), 7.4), squeeze=False, sharex=True)
+    for col, name in enumerate(cfg_names):
+        for row, metric in enumerate(("density", "recall")):
+            ax = axes[row][col]
+            for state, style, width in (("trained", "-", 2.0), ("init", ":", 1.2)):
+                for n in seqs:
+                    pts = sorted((r["layer"], r[metric]) for r in rows
+                                 if r["state"] == state and r["seq"] == n and r["config"] == name)
+                    if pts:
+                        ax.plot(*zip(*pts), style, color=colors[n], lw=width, marker="o" if state == "trained" else None,
+                                label=f"{n // 1024}K, {state}")
+            ax.set_xticks(layers)
+            ax.grid(True, alpha=0.3)
+            if metric == "density":
+                ax.set_yscale("log")
+                ax.set_ylim(low, 1.2)
+                ax.set_title(name.replace("_t", ", tile "), fontsize=10)
+            else:
+                ax.set_ylim(0.0, 1.02)
+                ax.set_xlabel("layer")
+            if col == 0:
+                ax.set_ylabel("density (share of causal pairs)" if metric == "density" else
+                              "recall (share of attention mass kept)")
+    axes[1][0].legend(fontsize=7, loc="lower left", ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def plot_title(meta: dict, steps: int) -> str:
+    m, a = meta["model"], meta["args"]
+    return (f"Qwen2 {m['size']} ({m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads, head dim "
+            f"{m['head_dim']}), {steps} steps at {a['train_seq'] // 1024}K on the stdlib corpus; held-out windows; "
+            f"{a['rows']} recall rows")
+
+
+def replot(args) -> None:
+    """Tables and PNG again from the JSON of a finished run (``--out``), without any compute."""
+    with open(args.out) as f:
+        saved = json.load(f)
+    losses = {state: {int(n): v for n, v in d.items()} for state, d in saved["heldout_loss"].items()}
+    names = list(saved["meta"]["configs"])
+    print_tables(saved["rows"], names, losses)
+    if args.plot:
+        plot(saved["rows"], names, args.plot, plot_title(saved["meta"], len(saved["train"]["history"])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default=None, help="built corpus (default: lightning_mtraining.data's default)")
+    ap.add_argument("--model-size", default="small", help="a key of examples/train.py's MODEL_SIZES")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--train-seq", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--eval-offset", type=int, default=1 << 20, help="tokens into the last chunk (held out)")
+    ap.add_argument("--tiles", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--caps", type=int, nargs=2, default=[4096, 4096], help="top-p: max verticals, max slashes")
+    ap.add_argument("--topk", type=int, nargs=2, default=[256, 64], help="top-k: verticals, slashes")
+    ap.add_argument("--rows", type=int, default=256, help="query rows of attention_recall (evenly spaced)")
+    ap.add_argument("--no-init", action="store_true", help="skip the measurement of the random-init model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="pattern_quality.json")
+    ap.add_argument("--plot", default=None, help="write a PNG here")
+    ap.add_argument("--save-patterns", default=None, help="folder for the trained model's estimated patterns")
+    ap.add_argument("--save-lengths", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 3 steps of 2K tokens, 2K/4K windows")
+    ap.add_argument("--replot", action="store_true", help="only redo the tables and --plot from the JSON at --out")
+    args = ap.parse_args()
+    if args.replot:
+        replot(args)
+        return
+    if args.smoke:
+        args.model_size, args.steps, args.train_seq, args.seqlens = "tiny", 3, 2048, [2048, 4096]
+        args.save_lengths, args.rows = [4096], 64
+    args.data_dir = str(data.build_stdlib_corpus(args.data_dir, verbose=True))
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    from transformers import AttentionInterface
+
+    example = load_train_example()
+    model = example.build_model("qwen2", args.model_size, max(args.seqlens))
+    recorder = QKRecorder()
+    AttentionInterface.register(ATTENTION_NAME, recorder)
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.eval()
+    hidden, layers, heads, kv_heads, mlp = example.MODEL_SIZES[args.model_size]
+    cfgs = configs(args.tiles, args.top_p, tuple(args.caps), tuple(args.topk))
+    windows = heldout_windows(args.data_dir, args.seqlens, args.eval_offset)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "transformers": __import__("transformers").__version__, "args": vars(args),
+        "model": {"family": "qwen2", "size": args.model_size, "hidden": hidden, "layers": layers, "heads": heads,
+                  "kv_heads": kv_heads, "head_dim": hidden // heads, "mlp": mlp,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "configs": {name: {"top_p": c.top_p, "max_vertical": c.max_vertical, "max_slash": c.max_slash,
+                           "vertical_topk": c.vertical_topk, "slash_topk": c.slash_topk, "last_q": c.last_q,
+                           "sink_tokens": c.sink_tokens, "local_window": c.local_window, "tile_size": c.tile_size}
+                    for name, c in cfgs.items()},
+        "heldout": {"chunk": "last", "offset_tokens": args.eval_offset,
+                    "preview": data.decode_tokens(windows[min(args.seqlens)][0, :120]).decode("utf-8", "replace")},
+    }
+    print(json.dumps({k: meta[k] for k in ("date", "machine", "torch", "transformers", "model")}), flush=True)
+
+    rows, losses, timing = [], {}, {}
+    if not args.no_init:
+        t0 = time.perf_counter()
+        got, losses["init"] = measure(model, recorder, windows, cfgs, "init", args, None)
+        rows += got
+        timing["measure_init_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    history = train(model, args)
+    timing["train_s"] = time.perf_counter() - t0
+    save = {"lengths": set(args.save_lengths), "patterns": {}} if args.save_patterns else None
+    t0 = time.perf_counter()
+    got, losses["trained"] = measure(model, recorder, windows, cfgs, "trained", args, save)
+    rows += got
+    timing["measure_trained_s"] = time.perf_counter() - t0
+
+    first, last = history[:5], history[-5:]
+    train_summary = {
+        "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+        "loss_first5_mean": sum(h["loss"] for h in first) / len(first),
+        "loss_last5_mean": sum(h["loss"] for h in last) / len(last),
+        "step_s_median": sorted(h["seconds"] for h in history)[len(history) // 2],
+    }
+    meta["timing"] = timing
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "train": {"summary": train_summary, "history": history},
+                   "heldout_loss": {s: {str(n): v for n, v in d.items()} for s, d in losses.items()},
+                   "rows": rows}, f, indent=1)
+    print(f"\ntraining: {len(history)} steps of {args.train_seq} tokens, loss {train_summary['loss_first']:.3f} -> "
+          f"{train_summary['loss_last']:.3f} (first 5 mean {train_summary['loss_first5_mean']:.3f}, last 5 mean "
+          f"{train_summary['loss_last5_mean']:.3f}), {train_summary['step_s_median']:.1f} s/step; timing {timing}")
+    print_tables(rows, list(cfgs), losses)
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot(rows, list(cfgs), args.plot, plot_title(meta, len(history)))
+    if save is not None:
+        os.makedirs(args.save_patterns, exist_ok=True)
+        for (name, n), per_layer in sorted(save["patterns"].items()):
+            path = os.path.join(args.save_patterns, f"{name}_{n // 1024}k.pt")
+            torch.save(per_layer, path)
+            print(f"wrote {path} ({len(per_layer)} layers)")
+
+
+if __name__ == "__main__":
+    main()
