@@ -250,8 +250,8 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\nW=8: est8 = one rank's estimator compute (fake process group); ratio8 = est8 / (kern / 8), an upper "
-          f"bound; comm = bytes each rank sends per layer and a model time at the given NVLink bandwidth")
+    print("\nW=8: est8 = one rank's estimator compute (fake process group); ratio8 = est8 / (kern / 8), an upper "
+          "bound; comm = bytes each rank sends per layer and a model time at the given NVLink bandwidth")
     hdr = (f"{'N':>7} {'config':<24} {'density':>17} {'recall':>6} {'est1 ms':>8} {'kern f+b':>9} {'idx':>6} "
            f"{'e2e f+b':>9} {'ratio1':>7} {'est8 ms':>8} {'ratio8':>7} {'comm MB':>8} {'model ms':>8}")
     print(hdr)

@@ -101,6 +101,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
 from lightning_mtraining.callback import SparseAttentionCallback  # noqa: E402
+from lightning_mtraining.pattern import parse_sparsity  # noqa: E402
 from lightning_mtraining.metrics import (  # noqa: E402
     TokenPerplexity,
     TokensPerSecond,
@@ -120,28 +121,6 @@ def quiet_known_warnings() -> None:
     # Lightning warns that an IterableDataset's __len__ may be wrong with several DataLoader workers unless each
     # worker reads its own share: litdata's StreamingDataset splits its chunks over workers itself.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
-
-
-def parse_sparsity(spec: str, dense_warmup_steps: int = 0, tile_size: int = 128):
-    """``none`` -> None; ``paper`` / ``topp:P`` / ``topk:V,S`` -> ``SparsityConfig``."""
-    if spec == "none":
-        return None
-    import dataclasses
-
-    from lightning_mtraining.pattern import SparsityConfig
-    from lightning_mtraining.strategy import PAPER_SPARSITY
-
-    kind, _, value = spec.partition(":")
-    if kind == "paper" and not value:
-        config = PAPER_SPARSITY
-    elif kind == "topk":
-        vertical, slash = (int(v) for v in value.split(","))
-        config = SparsityConfig(vertical_topk=vertical, slash_topk=slash)
-    elif kind == "topp":
-        config = SparsityConfig(top_p=float(value))
-    else:
-        raise ValueError(f"--sparsity must be 'paper', 'none', 'topk:V,S' or 'topp:P'; got {spec!r}")
-    return dataclasses.replace(config, dense_warmup_steps=dense_warmup_steps, tile_size=tile_size)
 
 
 def build_model(family: str, size: str, seq_len: int) -> torch.nn.Module:
@@ -253,7 +232,7 @@ def make_strategy(args: argparse.Namespace):
         inner_ring_size=args.inner_ring_size,
         layout=args.layout,
         block_size=args.block_size,
-        sparsity=parse_sparsity(args.sparsity, args.dense_warmup_steps, args.tile_size),
+        sparsity=parse_sparsity(args.sparsity, dense_warmup_steps=args.dense_warmup_steps, tile_size=args.tile_size),
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SparsityConfig", "VerticalSlashPattern"]
+__all__ = ["PAPER_SPARSITY", "SparsityConfig", "VerticalSlashPattern", "parse_sparsity"]
 
 PatternHeads = Literal["query", "kv"]
 
@@ -344,3 +344,30 @@ class VerticalSlashPattern:
         slash = (torch.arange(n_tiles, device=device) * tile_size).expand(batch_size, num_heads, n_tiles)
         vertical = torch.full((batch_size, num_heads, 1), -1, dtype=torch.int64, device=device)
         return cls(vertical, slash.contiguous(), tile_size)
+
+
+PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
+"""The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
+slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
+
+
+def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:
+    """A config from a short command-line spec: ``"none"`` (None: dense), ``"paper"`` (:data:`PAPER_SPARSITY`),
+    ``"topp:P"`` or ``"topk:V,S"`` (V verticals, S slashes per head); ``overrides`` set other fields (e.g.
+    ``tile_size=32``)."""
+    if spec == "none":
+        return None
+    kind, _, value = spec.partition(":")
+    try:
+        if kind == "paper" and not value:
+            config = PAPER_SPARSITY
+        elif kind == "topk":
+            vertical, slash = (int(v) for v in value.split(","))
+            config = SparsityConfig(vertical_topk=vertical, slash_topk=slash)
+        elif kind == "topp":
+            config = SparsityConfig(top_p=float(value))
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"a sparsity spec is 'none', 'paper', 'topp:P' or 'topk:V,S' (ints); got {spec!r}") from None
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mtraining.balance import imbalance, ring_step_work
+from lightning_mtraining.balance import ring_step_work
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 
 __all__ = ["AttentionSchedule", "LayerStats"]

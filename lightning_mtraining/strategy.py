@@ -72,7 +72,7 @@ from lightning_mtraining.hf import (
 )
 from lightning_mtraining.layouts import LAYOUTS
 from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
-from lightning_mtraining.pattern import SparsityConfig
+from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
 from lightning_mtraining.sharding import ShardedBatch, gather_sequence, shard_batch, shard_of, sparse_padding_multiple
 
@@ -110,11 +110,6 @@ def check_context_parallel_args(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if loss_check not in LOSS_CHECKS:
         raise ValueError(f"loss_check must be one of {LOSS_CHECKS}, got {loss_check!r}")
-
-
-PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
-"""The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
-slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
 
 
 def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_size: int) -> None:

@@ -15,10 +15,8 @@ registered names.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import pytest
 import torch
 
 from _dist import run_distributed
