@@ -289,7 +289,7 @@ class VerticalSlashPattern:
 
         Entries must be < ``seq_len`` (negative ones are padding); G must be H or H_kv. One host sync.
         """
-        if batch_size is not None and self.batch_size not in (batch_size,):
+        if batch_size is not None and self.batch_size != batch_size:
             raise ValueError(f"the pattern is for batch {self.batch_size}, the inputs have batch {batch_size}")
         if num_heads is not None:
             allowed = {num_heads} | ({num_kv_heads} if num_kv_heads is not None else set())
