@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_mtraining import estimation
 from lightning_mtraining.estimation import attention_recall, estimate_pattern
 from lightning_mtraining.layouts import shard_sequence
 from lightning_mtraining.pattern import SparsityConfig
@@ -138,8 +139,8 @@ def comm_bytes(B: int, n_total: int, cp_size: int, cfg: SparsityConfig, itemsize
         "probes_allreduce": 2 * part * B * H * cfg.last_q * D * itemsize,
         "normalisers_allgather": part * W * B * H * cfg.last_q * 4,
         "slash_reduce_scatter": part * B * G * n_total * 4,
-        # one payload of (values, indices) of the local best min(K, local entries), + total and forced mass
-        "candidates_allgather": part * W * B * G * ((2 * min(K, S) + 2) + (2 * min(K, n_total // W) + 2)) * 8,
+        # one payload of int64 keys of the local best min(K, local entries), + total and forced mass (float32 scores)
+        "candidates_allgather": part * W * B * G * ((min(K, S) + 2) + (min(K, n_total // W) + 2)) * 8,
     }
 
 
@@ -160,8 +161,6 @@ def fake_group(rank: int, world: int):
 def time_rank_share(q, k, cfg: SparsityConfig, device) -> tuple[float, str]:
     """``est8``: one rank's estimator time at W = W_SIM (see the module docstring)."""
     import torch.distributed as dist
-
-    from lightning_mtraining import estimation
 
     rank = W_SIM - 1
     ql, kl = (shard_sequence(t, 2, rank, W_SIM, LAYOUT, BLOCK).contiguous() for t in (q, k))
@@ -215,6 +214,13 @@ def run(args) -> tuple[dict, list[dict]]:
                        n_slash=float((pattern.slash_idx >= 0).sum(-1).double().mean()))
             row["est1_ms"] = bench(lambda: estimate_pattern(q, k, cfg), device)
             row["est8_ms"], row["est8_method"] = time_rank_share(q, k, cfg, device)
+            if args.torch_scorer:  # the same calls with the torch scorer (the one before the Triton scorer)
+                estimation._SCORER = "torch"
+                try:
+                    row["est1_torch_ms"] = bench(lambda: estimate_pattern(q, k, cfg), device)
+                    row["est8_torch_ms"] = time_rank_share(q, k, cfg, device)[0]
+                finally:
+                    estimation._SCORER = "auto"
             comm = comm_bytes(1, N, W_SIM, cfg, q.element_size())
             row["est8_comm_bytes"] = comm
             row["est8_comm_model_ms"] = sum(comm.values()) / (args.nvlink_gbs * 1e9) * 1e3
@@ -261,6 +267,12 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('kern_fb_ms', math.nan):>9.2f} {r.get('idx_ms', math.nan):>6.2f} {r['e2e_fb_ms']:>9.2f} "
               f"{100 * r['ratio1']:>6.2f}% {r['est8_ms']:>8.2f} {100 * r['ratio8']:>6.2f}% "
               f"{sum(r['est8_comm_bytes'].values()) / 1e6:>8.1f} {r['est8_comm_model_ms']:>8.3f}")
+    if any("est1_torch_ms" in r for r in rows):
+        print("\nthe torch scorer (estimation._SCORER = 'torch') on the same calls:")
+        for r in rows:
+            if "est1_torch_ms" in r:
+                print(f"{r['N']:>7} {r['config']:<24} est1 {r['est1_torch_ms']:8.2f} ms ({r['est1_ms']:.2f} "
+                      f"default)   est8 {r['est8_torch_ms']:8.2f} ms ({r['est8_ms']:.2f} default)")
 
 
 def main() -> None:
@@ -270,6 +282,8 @@ def main() -> None:
     ap.add_argument("--caps", type=int, nargs=2, default=[4096, 4096], help="top-p caps (vertical, slash)")
     ap.add_argument("--topk", type=int, nargs=2, default=[1024, 1024], help="top-k budgets (vertical, slash)")
     ap.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU per direction (comm model)")
+    ap.add_argument("--torch-scorer", action="store_true",
+                    help="also time est1 and est8 with the torch scorer (estimation._SCORER = 'torch')")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="CPU, float32, 1K and 2K tokens: every step through the torch paths (checks the script runs)")
     ap.add_argument("--out", default="estimation.json")

@@ -37,18 +37,27 @@ No rank ever holds the scores of another rank's keys. Per layer, with W ranks::
 
 Communication per layer (elements): probes B*H*n*D (input dtype, all-reduce), normalisers W*B*H*n (float32),
 slash partials B*G*N (float32, reduce-scatter: each rank sends about (W-1)/W of it), candidates
-W*B*G*2*(2k+2) (float64, two all-gathers; k the largest budget). For the Qwen2.5-3B attention shape (H=16, Hkv=2,
+W*B*G*2*(k+2) (int64 keys with the two masses, two all-gathers; k the largest budget; float64
+scores send values and indices, 2k+2). For the Qwen2.5-3B attention shape (H=16, Hkv=2,
 D=128) this is dominated by the slash partials: 16*N*4 bytes against the ring's K/V traffic per rank of
 (W-1)*2*2*(N/W)*128*2 bytes, i.e. about 6% of it for query-head patterns at W=8 and under 1% for
 ``pattern_heads="kv"``.
 
-Cost per rank: O(n * H * D * S) multiply-adds for the scores (twice: normaliser, then scores), O(B*G*(N/W)*log)
-for the selection; no host synchronisation except on the first call for a (group, shapes) pair (a cross-rank
-shape check) and the host-side key pieces (cached per layout).
+Cost per rank: O(n * H * D * S) multiply-adds for the scores (twice: normaliser, then scores), O(B*G*(N/W)) for
+the selection (``topk``); no host synchronisation except on the first call for a (group, shapes) pair (a cross-rank
+shape check) and the host-side key bookkeeping (cached per layout).
 
-Determinism: every sum is in a fixed order. The slash partials are accumulated with ``index_add_`` over pieces of
-R >= n - 1 consecutive keys whose offset windows overlap at most pairwise, so even CUDA's atomic adds see at most
-two non-zero terms per element, and a + b is commutative in IEEE arithmetic.
+Scorers: on CUDA (half or float32 inputs) the Triton scorer (:mod:`mtraining_kernels.probe_scores`, two launches,
+the scores never leave registers) wherever the rank's keys come in blocks of >= 16 consecutive positions holding at
+least ``last_q - 1`` keys (striped/zigzag with ``block_size`` >= 16, contiguous, one rank); otherwise the torch
+scorer below (chunks of key pieces, ~15 full-size elementwise ops per chunk). Both compute the same sums; the
+Triton one in float32 from the input dtype's products. Selection: float32 scores are packed with their index into
+unique int64 keys (:func:`_top_packed`, ``topk`` locally and after the all-gather); float64 scores (tests) take
+stable sorts. Both give the contract's order exactly (tested equal).
+
+Determinism: every sum is in a fixed order. The slash partials are accumulated over pieces (torch) or blocks
+(Triton) of >= n - 1 consecutive keys whose offset windows overlap at most pairwise, so even atomic adds see at
+most two non-zero terms per element, and a + b is commutative in IEEE arithmetic.
 """
 
 from __future__ import annotations
@@ -205,7 +214,9 @@ class _Probe:
         )
         self.rows_pos = rows_pos  # [B, n] global positions of the probe rows (device, int64)
         self.k = k
-        self.q_rows = self._gather_rows(q)  # [B, H, n, D] in the compute dtype
+        self.q_in = self._gather_rows(q)  # [B, H, n, D] in the input dtype
+        self.q_rows = self.q_in.to(self.cdt)
+        self.block = _triton_block(q, self.n, self.n_total, cp_rank, cp_size, layout, block_size)
         self.lse = self._global_lse()  # [B, H, n]
 
     def _gather_rows(self, q: torch.Tensor) -> torch.Tensor:
@@ -216,7 +227,7 @@ class _Probe:
         if self.cp_size > 1:
             rows = rows.contiguous()
             dist.all_reduce(rows, group=self.group)
-        return rows.to(self.cdt)
+        return rows.contiguous()
 
     def chunks(self):
         """Yield ``(piece slice, key positions [Pc, R], visible [B, 1, n, Pc, R], scores [B, H, n, Pc, R])``."""
@@ -236,9 +247,14 @@ class _Probe:
             yield sl, kpos, visible, s.masked_fill(~visible, float("-inf"))
 
     def _global_lse(self) -> torch.Tensor:
-        lse = torch.full((self.B, self.H, self.n), float("-inf"), dtype=self.cdt, device=self.q_rows.device)
-        for _, _, _, s in self.chunks():
-            lse = torch.logaddexp(lse, torch.logsumexp(s.flatten(-2), dim=-1))
+        if self.block:
+            from mtraining_kernels.probe_scores import probe_lse
+
+            lse = probe_lse(self.q_in, self.k, self.pos, self.rows_pos, self.scale, self.block)
+        else:
+            lse = torch.full((self.B, self.H, self.n), float("-inf"), dtype=self.cdt, device=self.q_rows.device)
+            for _, _, _, s in self.chunks():
+                lse = torch.logaddexp(lse, torch.logsumexp(s.flatten(-2), dim=-1))
         if self.cp_size > 1:  # the same W terms merged in the same order on every rank
             lse = torch.logsumexp(all_gather_stacked(lse, self.group, self.cp_size), dim=0)
         return lse
@@ -248,6 +264,32 @@ class _Probe:
         lse = torch.where(torch.isfinite(self.lse), self.lse, torch.zeros_like(self.lse))
         return torch.where(visible, torch.exp(s - lse[..., None, None]), torch.zeros((), dtype=s.dtype,
                                                                                      device=s.device))
+
+
+_SCORER = "auto"  # "auto": Triton on CUDA where it applies; "torch"; "triton" (tests, in the interpreter on CPU)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_block(n_total: int, cp_rank: int, cp_size: int, layout: str, block_size: int, n: int) -> int:
+    """The largest key block (128, 64, 32 or 16) of consecutive global positions with ``n <= block + 1``, or 0."""
+    pos = torch.arange(n_total) if cp_size == 1 else global_positions(n_total, cp_rank, cp_size, layout, block_size)
+    from mtraining_kernels.probe_scores import blocks_are_runs
+
+    for blk in (128, 64, 32, 16):
+        if n <= blk + 1 and blocks_are_runs(pos, blk):
+            return blk
+    return 0
+
+
+def _triton_block(q: torch.Tensor, n: int, n_total: int, cp_rank: int, cp_size: int, layout: str,
+                  block_size: int) -> int:
+    """The key block of the Triton scorer (:mod:`mtraining_kernels.probe_scores`), or 0 for the torch scorer: the
+    Triton one runs on CUDA (or anywhere with ``_SCORER = "triton"``) for half and float32 inputs, head dim <= 256,
+    when blocks of consecutive keys exist (see :func:`_runs_block`)."""
+    wanted = _SCORER == "triton" or (_SCORER == "auto" and q.is_cuda)
+    if not wanted or q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[-1] > 256:
+        return 0
+    return _runs_block(n_total, cp_rank, cp_size, layout, block_size, n)
 
 
 def _resolve(q, k, group, layout, block_size, seq_len, scale, what):
@@ -292,6 +334,9 @@ def _select(
     total = scores.sum(-1, dtype=f64)  # [B, G] this rank's share of the total mass
     forced_mass = torch.where(forced, scores, torch.zeros((), dtype=scores.dtype, device=dev)).sum(-1, dtype=f64)
     Kl = min(K, M)
+    if scores.dtype == torch.float32:
+        return _keep(*_top_packed(scores, index, candidate, total, forced_mass, Kl, K, group, cp_size), budgets,
+                     top_p)
     cand = torch.where(candidate, scores.to(f64), torch.full((), float("-inf"), dtype=f64, device=dev))
     # (score desc, index asc): this rank's indices ascend along M, so a stable sort keeps ties in index order
     order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :Kl]
@@ -308,15 +353,49 @@ def _select(
     values, where = torch.gather(values, -1, by_index), torch.gather(where, -1, by_index)
     by_score = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :K]
     values, where = torch.gather(values, -1, by_score), torch.gather(where, -1, by_score)
-    K = values.shape[-1]
-    slot = torch.arange(K, device=dev)
+    return _keep(values, where.round().to(torch.int64), total, forced_mass, budgets, top_p)
+
+
+def _keep(values, where, total, forced_mass, budgets: list[int], top_p: float | None) -> torch.Tensor:
+    """``values [B, G, K]`` (float64, descending, -inf = no entry) and their indices -> the selected indices, -1
+    padding: within each head's budget, and in top-p mode while the mass kept before an entry is below top_p."""
+    dev = values.device
+    slot = torch.arange(values.shape[-1], device=dev)
     budget = _device_ints(tuple(budgets), dev)[None, :, None]
     keep = (slot < budget) & torch.isfinite(values)
     if top_p is not None:
-        before = forced_mass[..., None] + torch.cumsum(values.nan_to_num(neginf=0.0), -1) - values.nan_to_num(
-            neginf=0.0)
-        keep &= before < top_p * total[..., None]
-    return torch.where(keep, where.round().to(torch.int64), torch.full((), -1, dtype=torch.int64, device=dev))
+        v = values.nan_to_num(neginf=0.0)
+        keep &= forced_mass[..., None] + torch.cumsum(v, -1) - v < top_p * total[..., None]
+    return torch.where(keep, where, torch.full((), -1, dtype=torch.int64, device=dev))
+
+
+_LOW = 0xFFFFFFFF
+
+
+def _top_packed(scores, index, candidate, total, forced_mass, Kl: int, K: int, group, cp_size: int):
+    """The selection's top entries for float32 scores: one int64 key per entry, ``bits(score) << 32 | (2^32 - 1 -
+    index)`` (non-negative float32 bits order like the floats, so the keys order as (score desc, index asc) and are
+    unique), ``topk`` on them locally and after the all-gather: no float64 copies, no full stable sorts.
+    Returns ``values [B, G, K']`` (float64, -inf for no entry), their indices, the total and the forced mass
+    (``[B, G]``, summed over the ranks), as :func:`_keep` takes them."""
+    B, G, M = scores.shape
+    dev = scores.device
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 -> +0.0; scores are >= 0
+    keys = torch.where(candidate, (bits << 32) | (_LOW - index[:, None, :]), torch.full((), -1, dtype=torch.int64,
+                                                                                         device=dev))
+    keys = torch.topk(keys, Kl, dim=-1).values if Kl < M else keys.sort(-1, descending=True).values
+    payload = torch.cat([keys, total[..., None].view(torch.int64), forced_mass[..., None].view(torch.int64)], -1)
+    every = all_gather_stacked(payload.contiguous(), group, cp_size)  # [W, B, G, Kl + 2]
+    keys = every[..., :Kl].permute(1, 2, 0, 3).reshape(B, G, cp_size * Kl)
+    total = every[..., Kl].contiguous().view(torch.float64).sum(0)
+    forced_mass = every[..., Kl + 1].contiguous().view(torch.float64).sum(0)
+    if cp_size > 1:
+        keys = torch.topk(keys, min(K, keys.shape[-1]), dim=-1).values
+    ok = keys >= 0
+    values = torch.where(ok, (keys >> 32).to(torch.int32).view(torch.float32).to(torch.float64),
+                         torch.full((), float("-inf"), dtype=torch.float64, device=dev))
+    where = torch.where(ok, _LOW - (keys & _LOW), torch.full((), -1, dtype=torch.int64, device=dev))
+    return values, where, total, forced_mass
 
 
 def _forced(count: int, lens: list[int], shape: tuple[int, int], device) -> torch.Tensor:
@@ -391,32 +470,8 @@ def estimate_pattern(
     with torch.no_grad():
         rows_pos = lens_t[:, None] - n + torch.arange(n, device=dev)[None, :]  # [B, n]
         probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
-        S, N = q.shape[2], n_total
-        vert = torch.zeros(B, G, S + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for the pieces' unused slots
-        slash = torch.zeros(B * G * N + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for out-of-range offsets
-        R = probe.R
-        c = torch.arange(R + n - 1, device=dev)
-        row_base = (torch.arange(B, device=dev)[:, None] * G + torch.arange(G, device=dev)[None, :]) * N  # [B, G]
-        for sl, kpos, visible, s in probe.chunks():
-            a = probe.probabilities(s, visible)  # [B, H, n, Pc, R]
-            if G != H:
-                a = a.view(B, G, H // G, n, *a.shape[-2:]).sum(2)
-            Pc = a.shape[-2]
-            # verticals: column sums, written at the pieces' local indices (each local key once)
-            col = a.sum(2)  # [B, G, Pc, R]
-            idx = torch.where(probe.piece_valid[sl], probe.piece_idx[sl], S)  # invalid slots -> the spare bin S
-            vert.scatter_(2, idx.reshape(1, 1, -1).expand(B, G, -1), col.reshape(B, G, -1))
-            # slashes: sums along each piece's diagonals (skew: flip keys, pad, shift row i by i), then offsets
-            x = a.permute(0, 1, 3, 2, 4).flip(-1)  # [B, G, Pc, n, R]
-            x = torch.nn.functional.pad(x, (0, n)).flatten(-2)[..., : n * (R + n) - n]
-            diag = x.view(B, G, Pc, n, R + n - 1).sum(-2)  # [B, G, Pc, R + n - 1]
-            # diagonal c of piece p holds offset o = (p0_b - start_p - R + 1) + c  (p0_b: row b's first probe)
-            off = (rows_pos[:, 0, None, None] - probe.piece_start[sl][None, :, None] - R + 1) + c  # [B, Pc, R+n-1]
-            ok = (off >= 0) & (off < N)
-            flat = torch.where(ok[:, None], row_base[:, :, None, None] + off[:, None], B * G * N)
-            slash.index_add_(0, flat.reshape(-1), diag.reshape(-1))
-        vert = vert[..., :S]
-        slash = slash[:-1].view(B, G, N)
+        N = n_total
+        vert, slash = _scores(probe, G) if not probe.block else _triton_scores(probe, G)
         # rank r receives the exact sums of the offsets [r N/W, (r+1) N/W)
         owned = reduce_scatter_dim0(slash.view(B, G, cp_size, N // cp_size).permute(2, 0, 1, 3), group, cp_size)
         off_idx = torch.arange(N // cp_size, device=dev) + cp_rank * (N // cp_size)
@@ -432,6 +487,43 @@ def estimate_pattern(
         vertical_idx = _sorted_indices(_forced(config.sink_tokens, lens, (B, G), dev), v_sel)
         slash_idx = _sorted_indices(_forced(config.local_window, lens, (B, G), dev), s_sel)
     return VerticalSlashPattern(vertical_idx, slash_idx, tile_size=config.tile_size)
+
+
+def _triton_scores(probe: _Probe, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from mtraining_kernels.probe_scores import probe_scores
+
+    return probe_scores(probe.q_in, probe.k, probe.pos, probe.rows_pos, probe.lse, probe.scale, G != probe.H,
+                        probe.n_total, probe.block)
+
+
+def _scores(probe: _Probe, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical scores ``[B, G, S]`` of this rank's keys and slash partial sums ``[B, G, N]`` (torch, chunked)."""
+    B, H, n, S, N = probe.B, probe.H, probe.n, probe.k.shape[2], probe.n_total
+    dev = probe.q_rows.device
+    vert = torch.zeros(B, G, S + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for the pieces' unused slots
+    slash = torch.zeros(B * G * N + 1, dtype=probe.cdt, device=dev)  # + 1: a bin for out-of-range offsets
+    R = probe.R
+    c = torch.arange(R + n - 1, device=dev)
+    row_base = (torch.arange(B, device=dev)[:, None] * G + torch.arange(G, device=dev)[None, :]) * N  # [B, G]
+    for sl, kpos, visible, s in probe.chunks():
+        a = probe.probabilities(s, visible)  # [B, H, n, Pc, R]
+        if G != H:
+            a = a.view(B, G, H // G, n, *a.shape[-2:]).sum(2)
+        Pc = a.shape[-2]
+        # verticals: column sums, written at the pieces' local indices (each local key once)
+        col = a.sum(2)  # [B, G, Pc, R]
+        idx = torch.where(probe.piece_valid[sl], probe.piece_idx[sl], S)  # invalid slots -> the spare bin S
+        vert.scatter_(2, idx.reshape(1, 1, -1).expand(B, G, -1), col.reshape(B, G, -1))
+        # slashes: sums along each piece's diagonals (skew: flip keys, pad, shift row i by i), then offsets
+        x = a.permute(0, 1, 3, 2, 4).flip(-1)  # [B, G, Pc, n, R]
+        x = torch.nn.functional.pad(x, (0, n)).flatten(-2)[..., : n * (R + n) - n]
+        diag = x.view(B, G, Pc, n, R + n - 1).sum(-2)  # [B, G, Pc, R + n - 1]
+        # diagonal c of piece p holds offset o = (p0_b - start_p - R + 1) + c  (p0_b: row b's first probe)
+        off = (probe.rows_pos[:, 0, None, None] - probe.piece_start[sl][None, :, None] - R + 1) + c  # [B, Pc, R+n-1]
+        ok = (off >= 0) & (off < N)
+        flat = torch.where(ok[:, None], row_base[:, :, None, None] + off[:, None], B * G * N)
+        slash.index_add_(0, flat.reshape(-1), diag.reshape(-1))
+    return vert[..., :S], slash[:-1].view(B, G, N)
 
 
 def _recall_rows(rows, lens: list[int], device) -> torch.Tensor:

@@ -241,3 +241,40 @@ def test_attention_recall_matches_reference_distributed():
             if name == "topk-query":  # 4 slashes of ~10 tile diagonals: some mass is lost
                 assert float(r.mean()) < 0.95
             torch.testing.assert_close(rf, torch.ones_like(rf), rtol=0, atol=1e-12)  # full pattern: nothing lost
+
+
+def _select_cases():
+    """float32 scores with many exact ties (values on a coarse grid), some entries not candidates, some forced."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 6, (2, 3, 60), generator=g).float() / 8
+    cand = torch.rand(2, 3, 60, generator=g) > 0.2
+    forced = ~cand & (torch.rand(2, 3, 60, generator=g) > 0.5)
+    index = torch.arange(60)[None] * 3 + 1  # global indices, ascending
+    return scores, index, cand, forced
+
+
+def select_worker(rank, w):
+    from lightning_mtraining.estimation import _select
+
+    scores, index, cand, forced = _select_cases()
+    mine = slice(rank * 60 // w, (rank + 1) * 60 // w)  # each rank owns a slice of the entries
+    out = {}
+    for top_p in (None, 0.7):
+        for budgets in ([5, 0, 70], [12, 12, 12]):
+            args = (index[:, mine], cand[..., mine], forced[..., mine], budgets, top_p, dist.group.WORLD, w)
+            out[(top_p, tuple(budgets))] = (_select(scores[..., mine], *args),
+                                            _select(scores[..., mine].double(), *args))
+    return out
+
+
+@pytest.mark.parametrize("w", [1, 3])
+def test_packed_float32_selection_equals_the_float64_sort(w):
+    """The float32 selection (int64 keys, ``topk``) against the float64 one (stable sorts) on the same values: ties
+    broken by the lower index, budgets 0 and above the entry count, top-p with forced mass, over 1 and 3 ranks each
+    owning a slice. The float32 -> float64 conversion is exact, so the results must be identical."""
+    per_rank = run_distributed(select_worker, w)
+    for key, (packed, sorted_) in per_rank[0].items():
+        assert torch.equal(packed, sorted_), (key, packed.tolist(), sorted_.tolist())
+        assert bool((packed >= 0).any())
+        for other in per_rank[1:]:
+            assert torch.equal(other[key][0], packed)
