@@ -4,6 +4,7 @@ Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, e.g. 
 $PWD/kernels /tmp/alias/mtraining_kernels && PYTHONPATH=$PWD:/tmp/alias``)::
 
     python benchmarks/sparse_ring.py --out $OUT/sparse_ring.json
+    python benchmarks/sparse_ring.py --cases 524288:32 --reps 2 --dense-reps 1 --out $OUT/sparse_ring_512k.json
     python benchmarks/sparse_ring.py --cases 524288:32 --skip-dense 524288 --out $OUT/sparse_ring_512k.json
     python benchmarks/sparse_ring.py --cpu-smoke --out /tmp/sparse_ring_smoke.json   # CPU, tiny, torch ops
 
@@ -18,22 +19,28 @@ Per case and layout, :class:`~lightning_mtraining.simulated.SimulatedRing` runs 
 this process (``time_steps=True``: CUDA events around each step's ``forward_step`` / ``backward_step``: the block
 op plus the merge of the forward, the dq add and dK/dV stack of the backward):
 
-- ``sparse``: ``SimulatedRing(W, layout, 128, pattern=...)``, the Triton block op (``TritonBlockOp(128, 128)``,
-  the sparse default on CUDA); each step computes exactly its lists (``build_step_lists``; verticals at the step
-  their key's chunk arrives: the gathered-vertical step is not in the ring yet); steps without any pair skip;
+- ``sparse``: ``SimulatedRing(W, layout, 128, pattern=...)`` with its default ``verticals="gathered"``, the Triton
+  block op (``TritonBlockOp(128, 128)``, the sparse default on CUDA). Each ring step computes exactly its tile lists
+  (``build_step_lists`` in gathered mode: the tiles); steps without any pair skip. The pattern's vertical columns
+  are gathered once per layer and computed in one extra step after the W ring steps, which ``SimulatedRing`` times
+  as step W; this script reads steps 0..W-1 only, so that step (about 4% of the pairs of the default cases) is in
+  none of the times below;
 - ``dense``: ``SimulatedRing(W, layout, 128)`` with its default op (FlexAttention); ``--skip-dense N`` skips it at
-  N (512K on 32 virtual ranks: W^2 = 1024 FlexAttention steps, tens of seconds per pass).
+  N (512K on 32 virtual ranks: W^2 = 1024 FlexAttention steps, about 15 s per pass on an H200).
 
 Per-step times are medians over ``--reps`` passes (after one warm-up pass). Reported: ``critical`` = sum over
 steps of the slowest rank's step, forward and backward separately (each ring step waits for its slowest rank;
 communication assumed hidden), their sum; the measured time imbalance from the per-rank-per-step times
 (:func:`~lightning_mtraining.balance.imbalance`: ``total`` = max over mean of the ranks' totals, ``critical_path``
-= critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern, layout
-and schedule (:func:`~lightning_mtraining.balance.ring_step_work`, verticals at arrival; the dense ring's from
-the full pattern); the correlation of time with work over (rank, step); TFLOP/s on the allowed pairs (4 D per
-pair forward, x3.5 forward+backward) over W x critical; the sparse speed-up over the dense ring; and ``single``:
-the pattern's forward+backward on the whole sequence on one GPU (``vertical_slash_attention``, ``do_bench``
-median) divided by W, the ideal per-rank share (a lower bound of ``critical``). Launch gaps inside a step count:
+= critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern and
+layout (:func:`~lightning_mtraining.balance.ring_step_work`): ``work_imbalance`` with verticals at arrival (each
+vertical's pairs at the step its key's chunk arrives, W steps; the dense ring's from the full pattern) and, for the
+sparse rows, ``work_imbalance_gathered``, the schedule the sparse ring runs (the verticals as one extra step); the
+correlation over (rank, step) of time with the arrival-schedule work; TFLOP/s on all the allowed pairs, the
+vertical step's included (4 D per pair forward, x3.5 forward+backward) over W x critical; the sparse speed-up over
+the dense ring; and ``single``: the pattern's forward+backward on the whole sequence on one GPU
+(``vertical_slash_attention``, ``do_bench`` median) divided by W, the ideal per-rank share (a lower bound of
+``critical``). Launch gaps inside a step count:
 a step whose kernels are shorter than their launches is timed at the host's pace, as it runs in eager mode.
 """
 
