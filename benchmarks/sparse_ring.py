@@ -23,8 +23,7 @@ op plus the merge of the forward, the dq add and dK/dV stack of the backward):
   block op (``TritonBlockOp(128, 128)``, the sparse default on CUDA). Each ring step computes exactly its tile lists
   (``build_step_lists`` in gathered mode: the tiles); steps without any pair skip. The pattern's vertical columns
   are gathered once per layer and computed in one extra step after the W ring steps, which ``SimulatedRing`` times
-  as step W; this script reads steps 0..W-1 only, so that step (about 4% of the pairs of the default cases) is in
-  none of the times below;
+  as step W and this script counts as the last step of every rank (its own wait: every rank runs it);
 - ``dense``: ``SimulatedRing(W, layout, 128)`` with its default op (FlexAttention); ``--skip-dense N`` skips it at
   N (512K on 32 virtual ranks: W^2 = 1024 FlexAttention steps, about 15 s per pass on an H200).
 
@@ -33,10 +32,10 @@ steps of the slowest rank's step, forward and backward separately (each ring ste
 communication assumed hidden), their sum; the measured time imbalance from the per-rank-per-step times
 (:func:`~lightning_mtraining.balance.imbalance`: ``total`` = max over mean of the ranks' totals, ``critical_path``
 = critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern and
-layout (:func:`~lightning_mtraining.balance.ring_step_work`): ``work_imbalance`` with verticals at arrival (each
-vertical's pairs at the step its key's chunk arrives, W steps; the dense ring's from the full pattern) and, for the
-sparse rows, ``work_imbalance_gathered``, the schedule the sparse ring runs (the verticals as one extra step); the
-correlation over (rank, step) of time with the arrival-schedule work; TFLOP/s on all the allowed pairs, the
+layout in the schedule that ran (:func:`~lightning_mtraining.balance.ring_step_work`): ``work_imbalance`` (sparse:
+``verticals="gathered"``, the vertical step last; dense: the full pattern) and ``work_imbalance_arrival`` (each
+vertical's pairs at the step its key's chunk arrives, W steps); the correlation over (rank, step) of time with the
+work of the schedule that ran; TFLOP/s on all the allowed pairs, the
 vertical step's included (4 D per pair forward, x3.5 forward+backward) over W x critical; the sparse speed-up over
 the dense ring; and ``single``: the pattern's forward+backward on the whole sequence on one GPU
 (``vertical_slash_attention``, ``do_bench`` median) divided by W, the ideal per-rank share (a lower bound of
@@ -101,8 +100,10 @@ def run_ring(sim: SimulatedRing, q, k, v, douts, reps: int) -> dict:
             for key, ms in sim.timings.items():
                 per.setdefault(key, []).append(ms)
     med = {key: statistics.median(ms) for key, ms in per.items()}
-    fwd = torch.tensor([[med[(r, s, "fwd")] for s in range(W)] for r in range(W)], dtype=torch.float64)
-    bwd = torch.tensor([[med[(r, s, "bwd")] for s in range(W)] for r in range(W)], dtype=torch.float64)
+    # steps 0..W-1 are the ring's; step W, where present, the gathered-vertical step (every rank has it or none)
+    steps = W + 1 if (0, W, "fwd") in med else W
+    fwd = torch.tensor([[med[(r, s, "fwd")] for s in range(steps)] for r in range(W)], dtype=torch.float64)
+    bwd = torch.tensor([[med[(r, s, "bwd")] for s in range(steps)] for r in range(W)], dtype=torch.float64)
     return {"fwd_ms": fwd, "bwd_ms": bwd, "wall_ms": statistics.median(walls)}
 
 
@@ -187,12 +188,13 @@ def run(args) -> tuple[dict, list[dict]]:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 full = pat if pat is not None else VerticalSlashPattern.full(1, H, N, T)
-                work = ring_step_work(full, N, W, layout, T, verticals="arrival")
-                row = {**base, "layout": layout, "kind": kind, "reps": reps, **summarise(res, work, flops),
-                       "bench_s": time.perf_counter() - t0}
-                if kind == "sparse":
+                arrival = ring_step_work(full, N, W, layout, T, verticals="arrival")
+                work = arrival
+                if res["fwd_ms"].shape[1] == W + 1:  # the schedule that ran: ring steps, then the vertical step
                     gathered = ring_step_work(full, N, W, layout, T, verticals="gathered")
-                    row["work_imbalance_gathered"] = imbalance(gathered)
+                    work = torch.cat([gathered[:, 1:], gathered[:, :1]], 1)
+                row = {**base, "layout": layout, "kind": kind, "reps": reps, **summarise(res, work, flops),
+                       "work_imbalance_arrival": imbalance(arrival), "bench_s": time.perf_counter() - t0}
                 rows.append(row)
                 print(f"  {layout} {kind}: critical {row['critical_ms']:.1f} ms (fwd {row['fwd_critical_ms']:.1f}, "
                       f"bwd {row['bwd_critical_ms']:.1f}), wall per pass {row['wall_ms']:.0f} ms, "
