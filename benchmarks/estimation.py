@@ -33,7 +33,11 @@ and 4.8% (0.2-6.2%) at 512K, close to the 93.7% sparsity MTraining reports at 51
 
 Timed (``triton.testing.do_bench``, median; at least 5 timed calls, the L2 flushed before each):
 
-- ``est1``: ``estimate_pattern(q, k, cfg)`` on the whole sequence (W = 1).
+- ``est1``: ``estimate_pattern(q, k, cfg)`` on the whole sequence (W = 1), eager: the median wall time of a
+  call from enqueue to the end of its last kernel, so host-bound calls count their host time. ``est1 GPU``: the
+  same call captured in a CUDA graph and replayed (its kernels only). In training the host enqueues the estimator
+  while the GPU still runs earlier layers, so the GPU time is what a step pays once the host keeps ahead.
+  ``est8 GPU``: the same for ``est8`` (the fake group's collectives are captured as no-ops).
 - ``est8``: one rank's share of the estimator at W = 8 (striped, 128-token blocks). One GPU has no 8-rank process
   group, so the real per-rank code (``estimate_pattern`` on the rank's shard, the N-long slash buffer, the
   selection over its owned offsets) runs in a single-process ``fake`` process group
@@ -158,8 +162,9 @@ def fake_group(rank: int, world: int):
     return bool(torch.equal(all_gather_stacked(probe, None, world)[0], probe))
 
 
-def time_rank_share(q, k, cfg: SparsityConfig, device) -> tuple[float, str]:
-    """``est8``: one rank's estimator time at W = W_SIM (see the module docstring)."""
+def time_rank_share(q, k, cfg: SparsityConfig, device, gpu_times: list | None = None) -> tuple[float, str]:
+    """``est8``: one rank's estimator time at W = W_SIM (see the module docstring); with the fake group and a list
+    ``gpu_times``, appends the call's GPU time (:func:`graph_ms`, None if not capturable)."""
     import torch.distributed as dist
 
     rank = W_SIM - 1
@@ -175,10 +180,35 @@ def time_rank_share(q, k, cfg: SparsityConfig, device) -> tuple[float, str]:
             # output uninitialised would fail it, so mark these shapes checked (the check does no compute)
             key = (id(dist.group.WORLD), tuple(ql.shape), tuple(kl.shape), (ql.shape[2] * W_SIM,))
             estimation._CHECKED_GROUPS.add(key)
-        ms = bench(lambda: estimate_pattern(ql, kl, cfg, layout=LAYOUT, block_size=BLOCK), device)
+        call = lambda: estimate_pattern(ql, kl, cfg, layout=LAYOUT, block_size=BLOCK)  # noqa: E731
+        ms = bench(call, device)
+        if gpu_times is not None and device.type == "cuda":
+            gpu_times.append(graph_ms(call, device))
     finally:
         dist.destroy_process_group()
     return ms, "fake_pg" if copies else "fake_pg_nocopy"
+
+
+def graph_ms(fn, device) -> float | None:
+    """GPU time of ``fn()``: the median replay of a CUDA graph that captured one call (no host work, which
+    overlaps the previous layers' kernels in training), or None where the call cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - a host sync or an uncapturable op: report, do not fail the run
+        print(f"  not capturable in a CUDA graph: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+    ms = bench(graph.replay, device)
+    del graph
+    return ms
 
 
 def run(args) -> tuple[dict, list[dict]]:
@@ -213,7 +243,11 @@ def run(args) -> tuple[dict, list[dict]]:
                        n_vertical=float((pattern.vertical_idx >= 0).sum(-1).double().mean()),
                        n_slash=float((pattern.slash_idx >= 0).sum(-1).double().mean()))
             row["est1_ms"] = bench(lambda: estimate_pattern(q, k, cfg), device)
-            row["est8_ms"], row["est8_method"] = time_rank_share(q, k, cfg, device)
+            if device.type == "cuda":
+                row["est1_gpu_ms"] = graph_ms(lambda: estimate_pattern(q, k, cfg), device)
+            gpu8: list = []
+            row["est8_ms"], row["est8_method"] = time_rank_share(q, k, cfg, device, gpu8)
+            row["est8_gpu_ms"] = gpu8[0] if gpu8 else None
             if args.torch_scorer:  # the same calls with the torch scorer (the one before the Triton scorer)
                 estimation._SCORER = "torch"
                 try:
@@ -245,6 +279,10 @@ def run(args) -> tuple[dict, list[dict]]:
             denom = row.get("kern_fb_ms", row["e2e_fb_ms"])  # CPU smoke: the torch path is the only one
             row["ratio1"] = row["est1_ms"] / denom
             row["ratio8"] = row["est8_ms"] / (denom / W_SIM)
+            if row.get("est1_gpu_ms") is not None:
+                row["ratio1_gpu"] = row["est1_gpu_ms"] / denom
+            if row.get("est8_gpu_ms") is not None:
+                row["ratio8_gpu"] = row["est8_gpu_ms"] / (denom / W_SIM)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
@@ -267,6 +305,14 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('kern_fb_ms', math.nan):>9.2f} {r.get('idx_ms', math.nan):>6.2f} {r['e2e_fb_ms']:>9.2f} "
               f"{100 * r['ratio1']:>6.2f}% {r['est8_ms']:>8.2f} {100 * r['ratio8']:>6.2f}% "
               f"{sum(r['est8_comm_bytes'].values()) / 1e6:>8.1f} {r['est8_comm_model_ms']:>8.3f}")
+    if any(r.get("est1_gpu_ms") is not None for r in rows):
+        print("\nGPU time of est1 and est8 (a CUDA graph of one call replayed: no host work), ratios as above:")
+        for r in rows:
+            if r.get("est1_gpu_ms") is not None:
+                w8 = (f"   est8 GPU {r['est8_gpu_ms']:6.2f} ms   ratio8 GPU {100 * r['ratio8_gpu']:6.2f}%"
+                      if r.get("est8_gpu_ms") is not None else "   est8 GPU: not captured")
+                print(f"{r['N']:>7} {r['config']:<24} est1 GPU {r['est1_gpu_ms']:6.2f} ms   "
+                      f"ratio1 GPU {100 * r['ratio1_gpu']:5.2f}%   (eager {r['est1_ms']:.2f} ms)" + w8)
     if any("est1_torch_ms" in r for r in rows):
         print("\nthe torch scorer (estimation._SCORER = 'torch') on the same calls:")
         for r in rows:

@@ -271,11 +271,14 @@ _SCORER = "auto"  # "auto": Triton on CUDA where it applies; "torch"; "triton" (
 
 @functools.lru_cache(maxsize=64)
 def _runs_block(n_total: int, cp_rank: int, cp_size: int, layout: str, block_size: int, n: int) -> int:
-    """The largest key block (128, 64, 32 or 16) of consecutive global positions with ``n <= block + 1``, or 0."""
+    """A key block of consecutive global positions with ``n <= block + 1``, or 0: 64 first (at 128K on an H100
+    the vertical and slash sums take 0.47 ms with 64-key blocks against 2.04 ms with 128, as the diagonal gather
+    grows with the square of the block; benchmarks/RESULTS.md "Pattern estimation time"), then 128 (for up to
+    129 probe rows), 32 and 16."""
     pos = torch.arange(n_total) if cp_size == 1 else global_positions(n_total, cp_rank, cp_size, layout, block_size)
     from mtraining_kernels.probe_scores import blocks_are_runs
 
-    for blk in (128, 64, 32, 16):
+    for blk in (64, 128, 32, 16):
         if n <= blk + 1 and blocks_are_runs(pos, blk):
             return blk
     return 0
