@@ -43,12 +43,12 @@ __all__ += ["sparse_attention"]
 # Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.fabric import MTrainingFabricStrategy
-from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets
+from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_linear_cross_entropy
 from lightning_mtraining.strategy import MTrainingStrategy
 
 __all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
-__all__ += ["causal_lm_loss", "causal_lm_targets"]
+__all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.

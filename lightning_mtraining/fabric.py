@@ -86,6 +86,11 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         loss_check: ``"raise"`` (default), ``"warn"`` or ``"off"``: what ``fabric.backward`` does with a loss
             that did not come through a sharding-aware path while the sequence is split (see
             :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
+        fused_loss: compute a model's loss without its full logits when it is called with labels (see
+            :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
+        activation_checkpointing: recompute each decoder layer in backward (Hugging Face
+            ``gradient_checkpointing_enable``, non-reentrant). To offload the saved layer inputs to host memory, run
+            the forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
     """
 
@@ -108,6 +113,8 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         loss_check: Literal["raise", "warn", "off"] = "raise",
+        fused_loss: bool = True,
+        activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
@@ -122,7 +129,8 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check)
+        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
+                                    fused_loss, activation_checkpointing)
         self.attention = attention
         check_sparsity_args(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention), layout,
                             block_size)

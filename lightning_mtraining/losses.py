@@ -55,6 +55,7 @@ __all__ = [
     "causal_lm_loss",
     "causal_lm_targets",
     "exact_group_loss",
+    "fused_linear_cross_entropy",
     "is_marked_loss",
     "mark_loss",
     "unmarked_loss_message",
@@ -209,3 +210,121 @@ def causal_lm_loss(
     cp_size = sharded.cp_size if sharded is not None else 1
     count = max(count, 1) if isinstance(count, int) else count.clamp_min(1)
     return exact_group_loss(token_sum * cp_size / count, sharded.group if sharded is not None else None, cp_size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fused linear + cross-entropy
+# --------------------------------------------------------------------------------------------------------------
+
+_CHUNK_BYTES = 512 * 2**20  # float32 logits of one chunk of rows
+
+
+def _chunk_rows(rows: int, vocab: int, chunk_size: int | None) -> int:
+    if chunk_size is None:
+        chunk_size = max(128, _CHUNK_BYTES // (4 * max(vocab, 1)))
+    return max(1, min(chunk_size, max(rows, 1)))
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, logit_scale, softcap, chunk, ignore_index, need_grad):
+        rows, V = hidden.shape[0], weight.shape[0]
+        total = torch.zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
+                            device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_grad[0] else None
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad[1] else None
+        grad_b = torch.zeros(V, dtype=acc, device=weight.device) if need_grad[2] else None
+        any_grad = any(need_grad)
+        for start in range(0, rows, chunk):
+            h = hidden[start:start + chunk]
+            t = targets[start:start + chunk]
+            valid = t != ignore_index
+            safe = torch.where(valid, t, 0)
+            raw = F.linear(h, weight, bias)  # the matmul in the inputs' dtype, the loss in float32 (float64 kept)
+            raw = raw if raw.dtype == torch.float64 else raw.float()
+            x = raw * logit_scale if logit_scale != 1.0 else raw
+            z = softcap * torch.tanh(x / softcap) if softcap is not None else x
+            lse = torch.logsumexp(z, dim=-1)
+            picked = z.gather(1, safe[:, None]).squeeze(1)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            if not any_grad:
+                continue
+            # d(sum of losses) / dz = softmax(z) - onehot(target) on valid rows, 0 on ignored ones
+            g = torch.exp(z - lse[:, None])
+            g.scatter_add_(1, safe[:, None], torch.full_like(picked, -1.0)[:, None])
+            g *= valid[:, None]
+            if softcap is not None:  # dz/dx = 1 - tanh(x / c)^2 = 1 - (z / c)^2
+                g *= 1.0 - (z / softcap) ** 2
+            if logit_scale != 1.0:
+                g *= logit_scale
+            del z, x, raw
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[start:start + chunk] = g @ weight
+            if grad_w is not None:
+                grad_w += g.t() @ h  # the chunk's product in the inputs' dtype, summed in float32
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        dh_t, dw_t, db_t = ctx.dtypes
+        dh = (grad_h * grad_out.to(grad_h.dtype)) if grad_h is not None else None
+        dw = (grad_w * grad_out).to(dw_t) if grad_w is not None else None
+        db = (grad_b * grad_out).to(db_t) if grad_b is not None else None
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               bias: torch.Tensor | None = None, *, logit_scale: float = 1.0,
+                               softcap: float | None = None, chunk_size: int | None = None,
+                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of the next-token cross-entropies of ``logits = softcap(logit_scale * (hidden @ weight.T + bias))``
+    over the positions whose target is not ``ignore_index``, float32 (float64 for float64 inputs), without
+    materialising the logits.
+
+    ``hidden [..., D]`` (the inputs of the output embedding), ``targets [...]`` (already shifted: the target of
+    each position), ``weight [V, D]`` (the output embedding, tied or not), ``bias [V]`` or None; ``softcap(x) =
+    c * tanh(x / c)`` (Gemma 2's final soft-cap; identity when None). Rows are processed ``chunk_size`` at a time
+    (default: about 512 MiB of float32 logits per chunk), so the memory beyond the inputs is one chunk's logits
+    and softmax plus the gradients. Each chunk's matmul runs in the inputs' dtype and its logits are upcast to
+    float32, as Hugging Face's causal-LM loss does.
+
+    Gradients are computed chunk by chunk in the forward when any input requires grad (three matmuls per chunk:
+    logits, ``d hidden``, ``d weight``; a backward that recomputed the logits would need four) and scaled by the
+    incoming gradient in backward; under ``torch.no_grad`` only the loss is computed. ``d weight`` and ``d bias``
+    accumulate in float32. Ignored rows contribute 0 to the loss and to every gradient; no host sync.
+
+    Why not Liger-Kernel or cut-cross-entropy: both need Triton on a GPU (the CPU tests and CPU training here run
+    this one), neither applies a soft-cap and a constant scale together, and a torch loop over chunks spends its
+    time in the same matmuls; the GPU comparison of speed and memory is in benchmarks/RESULTS.md "Fused loss".
+    """
+    if not torch.is_floating_point(hidden) or not torch.is_floating_point(weight):
+        raise ValueError(f"fused_linear_cross_entropy: hidden and weight must be floating point, got {hidden.dtype} "
+                         f"and {weight.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"fused_linear_cross_entropy: targets must be integer token ids, got {targets.dtype}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
+                         "do not match: weight must be [vocab, hidden[-1]]")
+    if tuple(hidden.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(f"fused_linear_cross_entropy: targets {tuple(targets.shape)} do not line up with hidden "
+                         f"{tuple(hidden.shape)}: one target per row of hidden")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fused_linear_cross_entropy: bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be positive or None, got {softcap}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"fused_linear_cross_entropy: chunk_size must be at least 1, got {chunk_size}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(h.device)
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad)
+    chunk = _chunk_rows(h.shape[0], weight.shape[0], chunk_size)
+    return _FusedLinearCrossEntropy.apply(h, weight, bias, t, float(logit_scale), softcap, chunk, ignore_index, need)

@@ -64,9 +64,11 @@ from typing_extensions import override
 from lightning_mtraining._rng import preserved_rng_states
 from lightning_mtraining.hf import (
     ContextParallelPlan,
+    FusedLoss,
     PreparedModel,
     attention_modules,
     find_hf_models,
+    prepare_fused_loss,
     prepare_model,
     validate_model,
 )
@@ -245,9 +247,18 @@ class ContextParallelMixin:
         block_size: int,
         sparsity: SparsityConfig | None,
         loss_check: str = "raise",
+        fused_loss: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
         check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [sparsity], layout, block_size)
+        for name, value in (("fused_loss", fused_loss), ("activation_checkpointing", activation_checkpointing)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}({name}=...) must be True or False, got {value!r}")
+        self.fused_loss = fused_loss
+        self.activation_checkpointing = activation_checkpointing
+        self._fused: list[FusedLoss] = []
+        self._models_ready = False
         self._context_parallel_size = context_parallel_size
         self._inner_ring_size = inner_ring_size
         self.layout = layout
@@ -362,7 +373,7 @@ class ContextParallelMixin:
         may run sparse, an :class:`~lightning_mtraining.schedule.AttentionSchedule` (``schedule_options``: its
         logging options) decides per layer and step, and batches are padded to whole tiles on every rank.
         """
-        if self._prepared:
+        if self._models_ready:
             return
         if layer_sparsity is None:
             layer_sparsity = lambda layer_idx: self.sparsity  # noqa: E731
@@ -378,8 +389,18 @@ class ContextParallelMixin:
         layers = sorted({m.layer_idx for model in models for m in attention_modules(model)})
         schedule = AttentionSchedule(layer_sparsity, **(schedule_options or {}))
         configs = schedule.sparse_configs(layers)
-        if self.plan.cp_size == 1 and not configs:
-            return
+        if self.activation_checkpointing:
+            for model in models:
+                # non-reentrant: the recomputed forward reuses the layer's pattern (Note [One pattern per forward])
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._models_ready = True
+        if self.plan.cp_size > 1 or configs:
+            self._prepare_ring(models, layer_sparsity, schedule, configs)
+        if self.fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
+            self._fused = [f for f in map(prepare_fused_loss, models) if f is not None]
+
+    def _prepare_ring(self, models: list[torch.nn.Module], layer_sparsity: Callable[[int], Any],
+                      schedule: AttentionSchedule, configs: list[Any]) -> None:
         check_sparsity_args(type(self).__name__, configs, self.layout, self.block_size)
         self._pad_multiple = 1
         for cfg in configs:
@@ -397,9 +418,13 @@ class ContextParallelMixin:
 
     def restore_models(self) -> None:
         """Undo :meth:`prepare_models`: hooks removed, previous attention implementation back."""
+        for fused in self._fused:
+            fused.restore()
+        self._fused = []
         for prepared in self._prepared:
             prepared.restore()
         self._prepared = []
+        self._models_ready = False
         if self._plan is not None:
             self._plan.current = None
             self._plan.schedule = None
@@ -532,6 +557,15 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
         gather_outputs: return the outputs of ``validation_step``, ``test_step`` and ``predict_step`` whole
             (tensors holding this rank's shard of the sequence are gathered, put in global order and unpadded;
             see :meth:`~ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards.
+        fused_loss: a model called with labels computes its loss from the hidden states a chunk of rows at a
+            time and never materialises the ``[B, L, vocab]`` logits unless the step reads ``out.logits``;
+            for the model types in :data:`~lightning_mtraining.hf.FUSED_LOSS_MODEL_TYPES`, others keep the plain
+            loss. See Note [Fused loss] in :mod:`lightning_mtraining.hf`. ``False``: the model's own loss.
+        activation_checkpointing: recompute each decoder layer in backward (Hugging Face
+            ``gradient_checkpointing_enable``, non-reentrant): activations kept per layer are its input only.
+        offload_activations: keep the tensors saved for backward during ``training_step`` in pinned host memory
+            (``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs,
+            so GPU activation memory no longer grows with depth. Costs host-device copies each step.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
     """
 
@@ -554,9 +588,16 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
+        fused_loss: bool = True,
+        activation_checkpointing: bool = False,
+        offload_activations: bool = False,
         **kwargs: Any,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
+        if not isinstance(offload_activations, bool):
+            raise TypeError(
+                f"MTrainingStrategy(offload_activations=...) must be True or False, got {offload_activations!r}"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -568,8 +609,10 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check)
+        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
+                                    fused_loss, activation_checkpointing)
         self._gather_outputs = gather_outputs
+        self.offload_activations = offload_activations
 
     @override
     def _configure_launcher(self) -> None:
@@ -649,6 +692,21 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.check_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def configure_ddp(self) -> None:
+        if self.world_size == 1:
+            # One process has nothing to average: DDP would only add its reducer, which copies every gradient
+            # into communication buckets (as much memory again as the gradients) and all-reduces over one rank.
+            return
+        super().configure_ddp()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.offload_activations:
+            return super().training_step(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -112,6 +112,7 @@ def _lightning_module():
 
         def training_step(self, batch, batch_idx):
             loss = self.forward_loss(batch)
+            self.wrapper = type(self.trainer.strategy.model).__name__
             self.records.append((batch["idx"].tolist(), loss.item()))
             self.log("train_loss", loss, sync_dist=True)
             return loss
@@ -172,6 +173,8 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
         "mesh": None if mesh is None else (tuple(mesh.mesh_dim_names), mesh.mesh.tolist()),
         "attn_after": module.model.config._attn_implementation,
         "logged": float(trainer.callback_metrics["train_loss"]),
+        "wrapper": module.wrapper,
+        "checkpointing": module.model.is_gradient_checkpointing,
     }
 
 
@@ -309,6 +312,29 @@ def test_single_process_matches_reference():
     scenario = dict(family="qwen2", n_samples=6, seq_len=13, steps=3, strategy=dict(block_size=4))
     result = fit(1, scenario)
     check_against_reference([result], scenario)
+
+
+@pytest.mark.parametrize("options", [
+    dict(fused_loss=False),
+    dict(fused_loss=True, activation_checkpointing=True, offload_activations=True),
+])
+def test_single_process_memory_options_match_reference(options):
+    """The fused loss, activation checkpointing and offload change no loss or parameter (same reference and
+    tolerances as above); one process trains the bare module, not a DDP wrapper (nothing to average)."""
+    scenario = dict(family="llama", n_samples=6, seq_len=13, steps=3, strategy=dict(block_size=4, **options))
+    result = fit(1, scenario)
+    check_against_reference([result], scenario)
+    assert result["wrapper"] != "DistributedDataParallel"
+    assert result["checkpointing"] == options.get("activation_checkpointing", False)
+
+
+def test_memory_options_are_checked():
+    from lightning_mtraining.strategy import MTrainingStrategy
+
+    with pytest.raises(TypeError, match=r"fused_loss=...\) must be True or False, got 'yes'"):
+        MTrainingStrategy(fused_loss="yes")
+    with pytest.raises(TypeError, match=r"offload_activations=...\) must be True or False, got 1"):
+        MTrainingStrategy(offload_activations=1)
 
 
 def test_bad_batch_and_model_errors():

@@ -1,0 +1,249 @@
+"""Benchmark: training throughput of a Qwen2.5-3B-shaped Hugging Face model through ``Trainer``, one GPU.
+
+Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, see ``benchmarks/estimation.py``)::
+
+    python benchmarks/train_throughput.py --out $OUT/train_throughput.json
+    python benchmarks/train_throughput.py --variants sdpa mtraining_dense --seqlens 8192 16384 32768 65536
+    python benchmarks/train_throughput.py --cpu-smoke --out /tmp/train_throughput_smoke.json   # CPU, tiny model
+
+What a user runs: an unchanged LightningModule around ``Qwen2ForCausalLM`` (Qwen2.5-3B shape: hidden 2048, 36
+layers, 16 query heads, 2 KV heads, head dim 128, MLP 11008, vocabulary 151936, tied embeddings; random init), HF
+gradient checkpointing (non-reentrant) in every variant, ``precision="bf16-true"``, SGD (no optimizer state),
+random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``. Variants (``--variants``):
+
+- ``sdpa``: ``strategy="auto"``, ``attn_implementation="sdpa"``: the anchor.
+- ``ddp1``: ``strategy="ddp"`` on one device, SDPA: what Lightning's DDP wrapper alone costs.
+- ``flex``: ``strategy="auto"``, ``attn_implementation="flex_attention"``.
+- ``mtraining_dense``: ``MTrainingStrategy(sparsity=None)`` (the model keeps SDPA at W = 1; fused loss on).
+- ``mtraining_dense_plain_loss``: the same with ``fused_loss=False``.
+- ``sparse_topp``: ``MTrainingStrategy(sparsity=PAPER_SPARSITY)`` (top-p 0.9, caps 4096/4096, pattern estimated
+  online per layer and forward, Triton/Gluon kernels).
+- ``sparse_topk``: ``SparsityConfig(vertical_topk=1024, slash_topk=1024)``.
+
+Each variant runs in its own process (a fresh CUDA allocator), its sequence lengths in increasing order, each with
+``--warmup`` untimed and ``--steps`` timed optimizer steps (synchronised wall time per step). Reported: step time
+(median), tokens/s, peak GPU memory (``max_memory_allocated``) and bytes per token of it, ``OOM`` where the step
+ran out of memory (longer lengths of that variant are then skipped). A PNG (``--plot``) draws tokens/s against
+length. Random tokens give random-init attention, which is diffuse: the sparse variants' estimated patterns are
+whatever top-p 0.9 keeps of it (density printed from the strategy's metrics), not a trained model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_plain_loss", "sparse_topp", "sparse_topk")
+QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)
+SMOKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1013, tie_word_embeddings=True)
+
+
+def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
+    """Train ``variant`` at each length in this process; one row per length."""
+    import lightning as L
+    import torch
+    import transformers
+
+    from lightning_mtraining import MTrainingStrategy, SparsityConfig
+    from lightning_mtraining.strategy import PAPER_SPARSITY
+
+    cuda = not args.cpu_smoke
+    shape = dict(SMOKE if args.cpu_smoke else QWEN_3B)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    attn = "flex_attention" if variant == "flex" else "sdpa"
+
+    class LM(L.LightningModule):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            config = transformers.Qwen2Config(**shape, max_position_embeddings=max(n, 32768))
+            config._attn_implementation = attn
+            with torch.device("cuda" if cuda else "cpu"):
+                self.model = transformers.Qwen2ForCausalLM(config)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-5)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int, count: int) -> None:
+            g = torch.Generator().manual_seed(n)
+            self.ids = torch.randint(0, shape["vocab_size"], (count, n), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.t0 = 0.0
+            self.metrics: dict = {}
+
+        def on_train_batch_start(self, trainer, *a):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *a):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+            self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("attention/")}
+
+    def strategy():
+        if variant == "ddp1":
+            return "ddp"
+        if variant in ("sdpa", "flex"):
+            return "auto"
+        sparsity = {"sparse_topp": PAPER_SPARSITY,
+                    "sparse_topk": SparsityConfig(vertical_topk=1024, slash_topk=1024)}.get(variant)
+        return MTrainingStrategy(sparsity=sparsity, fused_loss=variant != "mtraining_dense_plain_loss")
+
+    rows, failed = [], False
+    for n in seqlens:
+        row = {"variant": variant, "N": n}
+        if failed:
+            row["status"] = "skipped (a shorter length failed)"
+            rows.append(row)
+            continue
+        clock = Clock()
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            module = LM(n)
+            trainer = L.Trainer(
+                accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy(),
+                precision="bf16-true" if cuda else "32-true", max_steps=args.warmup + args.steps, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                callbacks=[clock], num_sanity_val_steps=0,
+            )
+            trainer.fit(module, torch.utils.data.DataLoader(Tokens(n, args.warmup + args.steps), batch_size=1))
+            timed = clock.times[args.warmup:]
+            step = statistics.median(timed)
+            row.update(status="ok", step_s=step, steps_s=timed, tokens_per_s=n / step, **clock.metrics)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated()
+                row.update(peak_gib=peak / 2**30, peak_bytes_per_token=peak / n)
+        except torch.OutOfMemoryError as e:
+            row.update(status="OOM", error=str(e)[:300])
+            failed = True
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row, not a crash
+            row.update(status=f"error: {type(e).__name__}", error=str(e)[:500])
+            failed = True
+        finally:
+            module = trainer = None  # noqa: F841 - free the model before the next length
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {r["N"]: r["tokens_per_s"] for r in rows if r["variant"] == "sdpa" and r.get("status") == "ok"}
+    print(f"\n{'variant':<28} {'N':>7} {'step s':>8} {'tokens/s':>9} {'x sdpa':>7} {'peak GiB':>9} {'B/token':>9} "
+          f"{'density':>8}  status")
+    for r in rows:
+        ok = r.get("status") == "ok"
+        x = f"{r['tokens_per_s'] / base[r['N']]:.3f}" if ok and r["N"] in base else "-"
+        dens = r.get("attention/density")
+        print(f"{r['variant']:<28} {r['N']:>7} {r['step_s'] if ok else float('nan'):>8.3f} "
+              f"{r['tokens_per_s'] if ok else float('nan'):>9.0f} {x:>7} {r.get('peak_gib', float('nan')):>9.2f} "
+              f"{r.get('peak_bytes_per_token', float('nan')):>9.0f} "
+              f"{dens if dens is not None else float('nan'):>8.3f}  {r.get('status')}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        pts = [(r["N"], r["tokens_per_s"]) for r in rows if r["variant"] == v and r.get("status") == "ok"]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=v)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Qwen2.5-3B shape, one GPU, Trainer, batch 1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--max-len", nargs="*", default=[], metavar="VARIANT=N",
+                    help="skip lengths above N for VARIANT (e.g. sdpa=32768)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 36)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--plot", default="", help="PNG path for tokens/s against length")
+    ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    ap.add_argument("--out", default="train_throughput.json")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.seqlens = [256, 512]
+    if args.one:
+        rows = run_variant(args.one, args.seqlens, args)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+    caps = dict(item.split("=") for item in args.max_len)
+    import torch
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "python": platform.python_version(), "args": vars(args),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_smoke else "cpu"}
+    try:
+        import transformers
+        import triton
+
+        info.update(triton=triton.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+    print(info, flush=True)
+    rows: list[dict] = []
+    for v in args.variants:
+        lens = [n for n in args.seqlens if v not in caps or n <= int(caps[v])]
+        cmd = [sys.executable, __file__, "--one", v, "--seqlens", *map(str, lens), "--layers", str(args.layers),
+               "--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        found = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
+        if found:
+            rows += json.loads(found[-1][5:])
+        else:
+            rows.append({"variant": v, "N": lens[0] if lens else 0, "status": f"process failed rc={proc.returncode}",
+                         "error": proc.stderr[-1500:]})
+            print(proc.stderr[-3000:], file=sys.stderr)
+        print(f"{v}: {time.time() - t0:.0f} s", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    print_table(rows)
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""``losses.fused_linear_cross_entropy`` against the plain loss (logits materialised) in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_mtraining.losses import fused_linear_cross_entropy
+
+
+def plain(h, w, t, b=None, scale=1.0, softcap=None):
+    z = F.linear(h, w, b) * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z.reshape(-1, w.shape[0]), t.reshape(-1), reduction="sum", ignore_index=-100)
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) if t is not None else None for t in ts]
+
+
+CASES = [  # (leading shape, D, V, chunk, bias, scale, softcap, ignored)
+    ((3, 37), 16, 1013, 7, False, 1.0, None, "some"),
+    ((3, 37), 16, 1013, 1, True, 1.0, None, "some"),
+    ((111,), 8, 257, 500, True, 0.25, None, "none"),
+    ((2, 50), 12, 129, 16, False, 1.0, 3.0, "chunk"),
+    ((2, 50), 12, 129, 16, True, 4.0, 2.0, "all"),
+    ((5, 9), 8, 33, None, False, 1.0, None, "some"),
+]
+
+
+@pytest.mark.parametrize("lead,D,V,chunk,use_bias,scale,softcap,ignored", CASES)
+def test_equals_the_plain_loss_and_gradients(lead, D, V, chunk, use_bias, scale, softcap, ignored):
+    g = torch.Generator().manual_seed(V + D)
+    h = torch.randn(*lead, D, generator=g, dtype=torch.float64)
+    w = torch.randn(V, D, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64) if use_bias else None
+    t = torch.randint(0, V, lead, generator=g)
+    flat = t.view(-1)
+    if ignored == "some":
+        flat[::5] = -100
+    elif ignored == "chunk":  # the whole first chunk of 16 rows, and more
+        flat[:20] = -100
+    elif ignored == "all":
+        flat[:] = -100
+    h1, w1, b1 = leaves(h, w, b)
+    h2, w2, b2 = leaves(h, w, b)
+    want = plain(h1, w1, t, b1, scale, softcap)
+    got = fused_linear_cross_entropy(h2, w2, t, b2, logit_scale=scale, softcap=softcap, chunk_size=chunk)
+    assert got.dtype == torch.float64
+    # float64: the same sums regrouped by chunk, so agreement to ~1e-12 relative
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (2.5 * want).backward()
+    (2.5 * got).backward()  # a non-unit incoming gradient is applied
+    for a, c in ((h1, h2), (w1, w2), (b1, b2)):
+        if a is not None:
+            torch.testing.assert_close(c.grad, a.grad, rtol=1e-10, atol=1e-12)
+    if ignored == "all":
+        assert float(got.detach()) == 0.0 and not h2.grad.any() and not w2.grad.any()
+
+
+def test_tied_weight_gradients_add_up():
+    """The same parameter as input embedding and output head: both uses' gradients reach it."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(61, 8, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 61, (4, 10), generator=g)
+    t = torch.randint(0, 61, (4, 10), generator=g)
+    grads = []
+    for fn in (lambda h, w: plain(h, w, t), lambda h, w: fused_linear_cross_entropy(h, w, t, chunk_size=3)):
+        w = emb.clone().requires_grad_(True)
+        h = torch.tanh(F.embedding(ids, w) * 1.3)
+        fn(h, w).backward()
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)  # float64, as above
+
+
+def test_bfloat16_against_a_float32_reference():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(300, 64, generator=g)
+    w = torch.randn(509, 64, generator=g) * 0.2
+    t = torch.randint(0, 509, (300,), generator=g)
+    h32, w32 = leaves(h, w)
+    ref = plain(h32, w32, t)
+    ref.backward()
+    hb, wb = leaves(h.bfloat16(), w.bfloat16())
+    got = fused_linear_cross_entropy(hb, wb, t, chunk_size=64)
+    got.backward()
+    assert got.dtype == torch.float32 and hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+    # bf16 inputs and matmuls (8-bit mantissa, relative rounding 2^-8 = 0.4%) against float32: the logits carry
+    # ~0.4% error, the summed loss far less (errors average out); 1% on the loss and 4% of the largest gradient
+    # entry bound the rounding of the inputs and of the gradient matmuls
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=0)
+    assert (hb.grad.float() - h32.grad).abs().max() < 0.04 * h32.grad.abs().max()
+    assert (wb.grad.float() - w32.grad).abs().max() < 0.04 * w32.grad.abs().max()
+
+
+def test_no_grad_computes_only_the_loss():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 8, generator=g, requires_grad=True)
+    w = torch.randn(97, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 97, (40,), generator=g)
+    with torch.no_grad():
+        value = fused_linear_cross_entropy(h, w, t, chunk_size=9)
+    assert value.grad_fn is None
+    torch.testing.assert_close(value, plain(h, w, t).detach(), rtol=1e-6, atol=1e-6)  # float32 regrouped sums
+    out = fused_linear_cross_entropy(h.detach(), w.detach(), t)
+    assert out.grad_fn is None  # nothing requires grad: no gradients were computed or saved
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 7), targets=torch.zeros(4, dtype=torch.long)),
+     r"hidden \(4, 8\) and weight \(10, 7\) do not match"),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.zeros(5, dtype=torch.long)),
+     r"targets \(5,\) do not line up with hidden \(4, 8\)"),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.zeros(4)),
+     r"targets must be integer token ids, got torch.float32"),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.zeros(4, dtype=torch.long),
+          bias=torch.randn(9)), r"bias \(9,\) must be \[10\]"),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.zeros(4, dtype=torch.long),
+          chunk_size=0), r"chunk_size must be at least 1, got 0"),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.zeros(4, dtype=torch.long),
+          softcap=0.0), r"softcap must be positive or None, got 0.0"),
+])
+def test_bad_inputs_say_what_is_wrong(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fused_linear_cross_entropy(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_qwen_vocabulary():
+    """Real sizes on the GPU: 4096 rows, Qwen2's 151936-token vocabulary, bf16, against float32 on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 512, device="cuda", generator=g)
+    w = torch.randn(151936, 512, device="cuda", generator=g) * 0.05
+    t = torch.randint(0, 151936, (4096,), device="cuda", generator=g)
+    t[::7] = -100
+    h32, w32 = leaves(h, w)
+    ref = plain(h32, w32, t)
+    ref.backward()
+    hb, wb = leaves(h.bfloat16(), w.bfloat16())
+    got = fused_linear_cross_entropy(hb, wb, t)
+    got.backward()
+    # the bf16 rule of the CPU test above
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=0)
+    assert (hb.grad.float() - h32.grad).abs().max() < 0.04 * h32.grad.abs().max()
+    assert (wb.grad.float() - w32.grad).abs().max() < 0.04 * w32.grad.abs().max()
