@@ -216,7 +216,7 @@ def causal_lm_loss(
 # fused linear + cross-entropy
 # --------------------------------------------------------------------------------------------------------------
 
-_CHUNK_BYTES = 512 * 2**20  # float32 logits of one chunk of rows
+_CHUNK_BYTES = 512 * 2**20  # float32 logits of one chunk of rows (a chunk's peak: about 3 such buffers)
 
 
 def _chunk_rows(rows: int, vocab: int, chunk_size: int | None) -> int:
@@ -241,24 +241,30 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             t = targets[start:start + chunk]
             valid = t != ignore_index
             safe = torch.where(valid, t, 0)
-            raw = F.linear(h, weight, bias)  # the matmul in the inputs' dtype, the loss in float32 (float64 kept)
-            raw = raw if raw.dtype == torch.float64 else raw.float()
-            x = raw * logit_scale if logit_scale != 1.0 else raw
-            z = softcap * torch.tanh(x / softcap) if softcap is not None else x
+            z = F.linear(h, weight, bias)  # the matmul in the inputs' dtype, the loss in float32 (float64 kept)
+            z = z if z.dtype == torch.float64 else z.float()
+            # in place where possible: at most two [chunk, V] float32 buffers (z, and tanh for a soft-cap) besides
+            # logsumexp's own temporaries
+            if logit_scale != 1.0:
+                z.mul_(logit_scale)
+            tanh = None
+            if softcap is not None:
+                tanh = z.div_(softcap).tanh_()
+                z = tanh * softcap
             lse = torch.logsumexp(z, dim=-1)
             picked = z.gather(1, safe[:, None]).squeeze(1)
             total += torch.where(valid, lse - picked, 0.0).sum()
             if not any_grad:
                 continue
             # d(sum of losses) / dz = softmax(z) - onehot(target) on valid rows, 0 on ignored ones
-            g = torch.exp(z - lse[:, None])
+            g = z.sub_(lse[:, None]).exp_()
             g.scatter_add_(1, safe[:, None], torch.full_like(picked, -1.0)[:, None])
-            g *= valid[:, None]
-            if softcap is not None:  # dz/dx = 1 - tanh(x / c)^2 = 1 - (z / c)^2
-                g *= 1.0 - (z / softcap) ** 2
+            g.mul_(valid[:, None])
+            if tanh is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+                g.mul_(tanh.square_().neg_().add_(1.0))
+                del tanh
             if logit_scale != 1.0:
-                g *= logit_scale
-            del z, x, raw
+                g.mul_(logit_scale)
             if grad_b is not None:
                 grad_b += g.sum(0)
             g = g.to(hidden.dtype)
