@@ -44,11 +44,13 @@ __all__ += ["sparse_attention"]
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.fabric import MTrainingFabricStrategy
 from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_linear_cross_entropy
+from lightning_mtraining.parallel import ContextParallel, apply_context_parallel
 from lightning_mtraining.strategy import MTrainingStrategy
 
 __all__ += ["MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
+__all__ += ["ContextParallel", "apply_context_parallel"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.

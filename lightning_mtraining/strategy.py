@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import atexit
 import copy
-import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
@@ -66,17 +65,15 @@ from lightning_mtraining.hf import (
     ContextParallelPlan,
     FusedLoss,
     PreparedModel,
-    attention_modules,
     find_hf_models,
-    prepare_fused_loss,
-    prepare_model,
     validate_model,
 )
 from lightning_mtraining.layouts import LAYOUTS
 from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
+from lightning_mtraining.parallel import ContextParallel, check_sparsity_args, restore_batch_type  # noqa: F401
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
-from lightning_mtraining.sharding import ShardedBatch, gather_sequence, shard_batch, shard_of, sparse_padding_multiple
+from lightning_mtraining.sharding import ShardedBatch, gather_sequence, shard_of
 
 __all__ = [
     "ContextParallelMixin",
@@ -112,19 +109,6 @@ def check_context_parallel_args(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if loss_check not in LOSS_CHECKS:
         raise ValueError(f"loss_check must be one of {LOSS_CHECKS}, got {loss_check!r}")
-
-
-def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_size: int) -> None:
-    """Raise, once and short, if a sparsity config is of the wrong type or cannot tile the layout."""
-    for config in configs:
-        if config is None:
-            continue
-        if not isinstance(config, SparsityConfig):
-            raise TypeError(f"{owner}: sparsity must be a SparsityConfig or None, got {type(config).__name__}")
-        try:
-            sparse_padding_multiple(layout, 1, block_size, config.tile_size)
-        except ValueError as e:
-            raise ValueError(f"{owner}: {e}") from None
 
 
 def describe_mesh(owner: str, world_size: int, cp_size: int, inner_size: int, layout: str, block_size: int) -> str:
@@ -223,16 +207,6 @@ def build_context_parallel(
     return mesh, plan
 
 
-def restore_batch_type(original: Any, sharded: dict[str, Any]) -> Any:
-    """``sharded`` as the mapping type of ``original`` when it can be rebuilt from a dict (e.g. BatchEncoding)."""
-    if type(original) is dict:
-        return sharded
-    try:
-        return type(original)(sharded)
-    except Exception:  # noqa: BLE001 - an exotic mapping type: a plain dict is still a valid batch
-        return sharded
-
-
 class ContextParallelMixin:
     """What the Trainer and Fabric strategies share: sizes, the mesh, model preparation and batch sharding.
 
@@ -258,6 +232,7 @@ class ContextParallelMixin:
         self.fused_loss = fused_loss
         self.activation_checkpointing = activation_checkpointing
         self._fused: list[FusedLoss] = []
+        self._cp: ContextParallel | None = None
         self._models_ready = False
         self._context_parallel_size = context_parallel_size
         self._inner_ring_size = inner_ring_size
@@ -377,38 +352,15 @@ class ContextParallelMixin:
             return
         if layer_sparsity is None:
             layer_sparsity = lambda layer_idx: self.sparsity  # noqa: E731
-        models = find_hf_models(module)
-        if not models:
-            raise ValueError(
-                f"{type(module).__name__} contains no transformers PreTrainedModel: {type(self).__name__} switches "
-                "Hugging Face causal LMs (attn_implementation) to ring attention. For a custom model, call "
-                "lightning_mtraining.ring_attention in its attention and use the sharded batch's position_ids"
-            )
-        for model in models:
-            validate_model(model)
-        layers = sorted({m.layer_idx for model in models for m in attention_modules(model)})
-        schedule = AttentionSchedule(layer_sparsity, **(schedule_options or {}))
-        configs = schedule.sparse_configs(layers)
-        if self.activation_checkpointing:
-            for model in models:
-                # non-reentrant: the recomputed forward reuses the layer's pattern (Note [One pattern per forward])
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cp = ContextParallel(
+            module, self.plan, layer_sparsity=layer_sparsity, schedule_options=schedule_options,
+            fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
+            owner=type(self).__name__,
+        )
+        self._cp = cp
         self._models_ready = True
-        if self.plan.cp_size > 1 or configs:
-            self._prepare_ring(models, layer_sparsity, schedule, configs)
-        if self.fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
-            self._fused = [f for f in map(prepare_fused_loss, models) if f is not None]
-
-    def _prepare_ring(self, models: list[torch.nn.Module], layer_sparsity: Callable[[int], Any],
-                      schedule: AttentionSchedule, configs: list[Any]) -> None:
-        check_sparsity_args(type(self).__name__, configs, self.layout, self.block_size)
-        self._pad_multiple = 1
-        for cfg in configs:
-            self._pad_multiple = math.lcm(self._pad_multiple, sparse_padding_multiple(
-                self.layout, self.plan.cp_size, self.block_size, cfg.tile_size))
-        self.attention_schedule = schedule if configs else None
-        self.plan.schedule = self.attention_schedule
-        self._prepared = [prepare_model(m, self.plan, layer_sparsity) for m in models]
+        self._prepared, self._fused, self._pad_multiple = cp.prepared, cp.fused, cp.pad_multiple
+        self.attention_schedule = cp.schedule
 
     def attention_metrics(self) -> dict[str, float]:
         """The sparse attention statistics of the last measured step (``attention/density``,
@@ -418,11 +370,10 @@ class ContextParallelMixin:
 
     def restore_models(self) -> None:
         """Undo :meth:`prepare_models`: hooks removed, previous attention implementation back."""
-        for fused in self._fused:
-            fused.restore()
+        if self._cp is not None:
+            self._cp.restore()
+        self._cp = None
         self._fused = []
-        for prepared in self._prepared:
-            prepared.restore()
         self._prepared = []
         self._models_ready = False
         if self._plan is not None:
@@ -434,15 +385,11 @@ class ContextParallelMixin:
 
         With one CP rank and no model switched to ring attention, ``batch`` is returned as it is.
         """
-        plan = self.plan
-        if plan.cp_size == 1 and not self._prepared:
-            return batch
-        sharded = shard_batch(
-            batch, cp_rank=plan.cp_rank, cp_size=plan.cp_size, layout=plan.layout, block_size=plan.block_size,
-            group=plan.group, multiple_of=self._pad_multiple,
-        )
-        plan.current = sharded
-        return restore_batch_type(batch, sharded.batch)
+        if self._cp is None:  # no model prepared (yet): nothing is split with one CP rank
+            if self.plan.cp_size == 1:
+                return batch
+            raise RuntimeError(f"{type(self).__name__}.shard_batch was called before the model was set up")
+        return self._cp.shard(batch)
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """``x`` (this rank's shard of the current sequence along ``dim``) whole, in global order, unpadded.

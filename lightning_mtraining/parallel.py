@@ -1,0 +1,201 @@
+"""Context parallelism over a model and a mesh, without Lightning: what the Trainer strategy, the Fabric strategy
+and a plain torch loop share.
+
+:func:`apply_context_parallel` switches every outermost Hugging Face model inside a module to ring attention over
+the ``"cp"`` dimension of a :class:`~torch.distributed.device_mesh.DeviceMesh` (dense or sparse, per layer), with
+the fused loss and activation checkpointing as options, and returns a :class:`ContextParallel` handle whose
+:meth:`~ContextParallel.shard` gives this rank its shard of each batch. Parameters are the caller's to shard or
+replicate: with FSDP2, ``fully_shard`` the layers and the model over the flattened ``("dp", "cp")`` mesh (every
+rank holds a slice of every parameter; gradients are averaged over all ranks, which with the loss scaling of Note
+[Exact losses and gradients] in :mod:`lightning_mtraining.hf` is the exact gradient), as torchtitan does::
+
+    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
+    cp_model = apply_context_parallel(model, mesh, sparsity=SparsityConfig(top_p=0.9))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh._flatten("dp_cp"))
+    fully_shard(model, mesh=mesh._flatten("dp_cp"))
+    for batch in loader:                           # every rank of a CP group reads the same sample
+        loss = model(**cp_model.shard(batch)).loss  # the exact loss of the whole sequence, on every rank
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+
+The per-batch state (the current shard) is kept in the handle's plan, which the model hooks read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mtraining.hf import (
+    ContextParallelPlan,
+    FusedLoss,
+    PreparedModel,
+    attention_modules,
+    find_hf_models,
+    prepare_fused_loss,
+    prepare_model,
+    validate_model,
+)
+from lightning_mtraining.pattern import SparsityConfig
+from lightning_mtraining.schedule import AttentionSchedule
+from lightning_mtraining.sharding import shard_batch, sparse_padding_multiple
+
+__all__ = ["ContextParallel", "apply_context_parallel", "check_sparsity_args", "restore_batch_type"]
+
+
+def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_size: int) -> None:
+    """Raise, once and short, if a sparsity config is of the wrong type or cannot tile the layout."""
+    for config in configs:
+        if config is None:
+            continue
+        if not isinstance(config, SparsityConfig):
+            raise TypeError(f"{owner}: sparsity must be a SparsityConfig or None, got {type(config).__name__}")
+        try:
+            sparse_padding_multiple(layout, 1, block_size, config.tile_size)
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
+
+
+def restore_batch_type(original: Any, sharded: dict[str, Any]) -> Any:
+    """``sharded`` as the mapping type of ``original`` when it can be rebuilt from a dict (e.g. BatchEncoding)."""
+    if type(original) is dict:
+        return sharded
+    try:
+        return type(original)(sharded)
+    except Exception:  # noqa: BLE001 - an exotic mapping type: a plain dict is still a valid batch
+        return sharded
+
+
+class ContextParallel:
+    """Models switched to context parallelism (see :func:`apply_context_parallel`); :meth:`restore` undoes it.
+
+    Attributes: ``plan`` (this rank's place and the current batch), ``models`` (the Hugging Face models found),
+    ``prepared`` (those switched to ring attention: none with one CP rank and dense attention, where models keep
+    their own), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when every layer is
+    dense), ``pad_multiple`` (sequence padding asked by sparse tiles).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: ContextParallelPlan,
+        *,
+        layer_sparsity: Callable[[int], Any],
+        schedule_options: dict[str, Any] | None = None,
+        fused_loss: bool = True,
+        activation_checkpointing: bool = False,
+        owner: str = "apply_context_parallel",
+    ) -> None:
+        models = find_hf_models(module)
+        if not models:
+            raise ValueError(
+                f"{type(module).__name__} contains no transformers PreTrainedModel: {owner} switches Hugging Face "
+                "causal LMs (attn_implementation) to ring attention. For a custom model, call "
+                "lightning_mtraining.ring_attention in its attention and use the sharded batch's position_ids"
+            )
+        for model in models:
+            validate_model(model)
+        self.plan = plan
+        self.models = models
+        self.prepared: list[PreparedModel] = []
+        self.fused: list[FusedLoss] = []
+        self.schedule: AttentionSchedule | None = None
+        self.pad_multiple = 1
+        layers = sorted({m.layer_idx for model in models for m in attention_modules(model)})
+        schedule = AttentionSchedule(layer_sparsity, **(schedule_options or {}))
+        configs = schedule.sparse_configs(layers)
+        if activation_checkpointing:
+            for model in models:
+                # non-reentrant: the recomputed forward reuses the layer's pattern (Note [One pattern per forward])
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if plan.cp_size > 1 or configs:
+            check_sparsity_args(owner, configs, plan.layout, plan.block_size)
+            for cfg in configs:
+                self.pad_multiple = math.lcm(self.pad_multiple, sparse_padding_multiple(
+                    plan.layout, plan.cp_size, plan.block_size, cfg.tile_size))
+            self.schedule = schedule if configs else None
+            plan.schedule = self.schedule
+            self.prepared = [prepare_model(m, plan, layer_sparsity) for m in models]
+        if fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
+            self.fused = [f for f in map(prepare_fused_loss, models) if f is not None]
+
+    def shard(self, batch: Any) -> Any:
+        """Pad and shard ``batch`` (on this rank's device) for this rank, and record it for the model hooks.
+
+        With one CP rank and no model switched to ring attention, ``batch`` is returned as it is.
+        """
+        plan = self.plan
+        if plan.cp_size == 1 and not self.prepared:
+            return batch
+        sharded = shard_batch(
+            batch, cp_rank=plan.cp_rank, cp_size=plan.cp_size, layout=plan.layout, block_size=plan.block_size,
+            group=plan.group, multiple_of=self.pad_multiple,
+        )
+        plan.current = sharded
+        return restore_batch_type(batch, sharded.batch)
+
+    def attention_metrics(self) -> dict[str, float]:
+        """The sparse attention statistics of the last measured step (empty when every layer is dense)."""
+        return self.schedule.metrics() if self.schedule is not None else {}
+
+    def restore(self) -> None:
+        """Remove every hook and restore each model's previous attention implementation."""
+        for fused in self.fused:
+            fused.restore()
+        for prepared in self.prepared:
+            prepared.restore()
+        self.fused, self.prepared = [], []
+        self.plan.current = None
+        self.plan.schedule = None
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    cp_dim: str = "cp",
+    layout: str = "striped",
+    block_size: int = 128,
+    sparsity: SparsityConfig | Callable[[int], SparsityConfig | None] | None = None,
+    fused_loss: bool = True,
+    activation_checkpointing: bool = False,
+) -> ContextParallel:
+    """Switch the Hugging Face causal LMs inside ``model`` to context parallelism over ``mesh[cp_dim]``.
+
+    Args:
+        model: a ``transformers`` causal LM, or a module holding some.
+        mesh: a device mesh with a ``cp_dim`` dimension (e.g. ``("dp", "cp")``); ``None``: one process, no split.
+        layout, block_size: the token layout of the shards (see :mod:`lightning_mtraining.layouts`).
+        sparsity: a :class:`SparsityConfig` for every layer, a function of the layer index, or None (dense).
+        fused_loss, activation_checkpointing: as the strategies' options (Note [Fused loss] in
+            :mod:`lightning_mtraining.hf`).
+
+    Returns the :class:`ContextParallel` handle: ``shard(batch)`` before each forward, ``restore()`` to undo. A flat
+    ring; the strategies build the hierarchical (intra-/inter-node) rings from their own mesh.
+    """
+    from lightning_mtraining.layouts import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"apply_context_parallel: layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"apply_context_parallel: block_size must be a positive int, got {block_size!r}")
+    if mesh is None:
+        plan = ContextParallelPlan(0, 1, layout, block_size)
+    else:
+        if mesh.mesh_dim_names is None or cp_dim not in mesh.mesh_dim_names:
+            raise ValueError(
+                f"apply_context_parallel: the mesh has dimensions {mesh.mesh_dim_names}, none named {cp_dim!r}; "
+                "build it with init_device_mesh(..., mesh_dim_names=('dp', 'cp')) or pass cp_dim="
+            )
+        cp_mesh = mesh[cp_dim]
+        plan = ContextParallelPlan(cp_rank=cp_mesh.get_local_rank(), cp_size=cp_mesh.size(), layout=layout,
+                                   block_size=block_size, group=cp_mesh.get_group() if cp_mesh.size() > 1 else None)
+    layer_sparsity = sparsity if callable(sparsity) else (lambda layer_idx: sparsity)
+    check_sparsity_args("apply_context_parallel", [sparsity] if not callable(sparsity) else [], layout, block_size)
+    return ContextParallel(model, plan, layer_sparsity=layer_sparsity, fused_loss=fused_loss,
+                           activation_checkpointing=activation_checkpointing)

@@ -1,0 +1,106 @@
+"""``apply_context_parallel`` in a plain torch loop (no Lightning), with FSDP2 over the flattened (dp, cp) mesh:
+the same losses and parameters as one device. Gloo, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+VOCAB, SEQ, STEPS, LR = 64, 45, 3, 0.5
+
+
+def make_model():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="eager", initializer_range=0.3, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def samples(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, VOCAB, (1, SEQ), generator=g) for _ in range(n)]
+
+
+def reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device: step s trains on samples s*dp .. s*dp+dp-1, the mean of their losses (what DP averages)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = samples(STEPS * dp)
+    losses = []
+    for s in range(STEPS):
+        per = [model(input_ids=x, labels=x).loss for x in data[s * dp:(s + 1) * dp]]
+        losses.append([float(x) for x in per])
+        torch.stack(per).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _loop(rank: int, world_size: int, cp: int, fsdp: bool, fused: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_mtraining import apply_context_parallel
+
+    dp = world_size // cp
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    model = make_model()
+    handle = apply_context_parallel(model, mesh, block_size=4, fused_loss=fused)
+    if fsdp:
+        flat = mesh._flatten("dp_cp")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=flat)
+        fully_shard(model, mesh=flat)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = samples(STEPS * dp)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for s in range(STEPS):
+        x = data[s * dp + dp_rank]
+        loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
+        losses.append(float(loss))
+        loss.backward()
+        if not fsdp:  # plain data parallel by hand: average the gradients over every rank
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world_size
+        opt.step()
+        opt.zero_grad()
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in model.named_parameters()}
+    handle.restore()
+    return {"dp_rank": dp_rank, "losses": losses, "params": params, "attn": model.config._attn_implementation}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,cp,fsdp,fused", [(2, 2, True, True), (3, 3, True, False), (4, 2, True, True),
+                                                      (3, 3, False, True)])
+def test_plain_loop_matches_one_device(world_size, cp, fsdp, fused):
+    results = run_distributed(_loop, world_size, cp, fsdp, fused, timeout=240)
+    dp = world_size // cp
+    ref_losses, ref_params = reference(dp)
+    for r in results:
+        for s in range(STEPS):
+            # float32, the sharded ring and sums against one device: the tolerances of test_strategy.py
+            assert abs(r["losses"][s] - ref_losses[s][r["dp_rank"]]) < 2e-5, (s, r["losses"], ref_losses)
+        for name, want in ref_params.items():
+            got = r["params"].get(name, r["params"].get(name.replace("lm_head", "model.embed_tokens")))
+            torch.testing.assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+        assert r["attn"] == "eager"
+
+
+def test_mesh_without_the_cp_dimension_is_refused():
+    from lightning_mtraining import apply_context_parallel
+
+    class FakeMesh:
+        mesh_dim_names = ("dp",)
+
+    with pytest.raises(ValueError, match=r"the mesh has dimensions \('dp',\), none named 'cp'"):
+        apply_context_parallel(make_model(), FakeMesh())
+    with pytest.raises(ValueError, match="layout must be one of"):
+        apply_context_parallel(make_model(), None, layout="diagonal")
