@@ -152,7 +152,12 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
     if scenario.get("quiet", True):
         quiet()
     strategy_kwargs = dict(scenario.get("strategy", {}))
-    strategy = MTrainingStrategy(**strategy_kwargs)
+    if scenario.get("fsdp"):
+        from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
+
+        strategy = MTrainingFSDPStrategy(**strategy_kwargs)
+    else:
+        strategy = MTrainingStrategy(**strategy_kwargs)
     module = _lightning_module()(scenario["family"], scenario.get("call", "kwargs"),
                                  build_in_configure=scenario.get("build_in_configure", False))
     data = make_samples(scenario["n_samples"], scenario["seq_len"])
@@ -168,12 +173,14 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
     mesh = strategy.device_mesh if world_size > 1 else None
     return {
         "records": module.records,
-        "params": {k: v.detach().clone() for k, v in module.model.named_parameters()},
+        "params": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in module.model.named_parameters()},
         "cp_rank": plan.cp_rank, "cp_size": plan.cp_size, "dp_rank": strategy.dp_rank,
         "mesh": None if mesh is None else (tuple(mesh.mesh_dim_names), mesh.mesh.tolist()),
         "attn_after": module.model.config._attn_implementation,
         "logged": float(trainer.callback_metrics["train_loss"]),
         "wrapper": module.wrapper,
+        "sharded": all(hasattr(v, "full_tensor") for v in module.model.parameters()),
         "checkpointing": module.model.is_gradient_checkpointing,
     }
 
@@ -392,6 +399,23 @@ def test_four_processes_and_dp2_cp2_match_single_process():
     ])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,cp", [(2, 2), (3, 3), (4, 2)])
+def test_fsdp_strategy_matches_single_process(world_size, cp):
+    """MTrainingFSDPStrategy: FSDP2 over the flattened dp x cp mesh gives the reference's losses and parameters."""
+    scenario = dict(family="qwen2", n_samples=8, seq_len=13, steps=2, fsdp=True,
+                    strategy=dict(block_size=4, context_parallel_size=cp, sparsity=None))
+    per_rank = run_distributed(_fit_worker, world_size, [scenario], timeout=300)
+    results = [r[0] for r in per_rank]
+    check_against_reference(results, scenario)
+    assert all(r["sharded"] for r in results)  # every parameter a DTensor: FSDP2 applied
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_mtraining  # noqa: F401 - registers the names
+
+    assert StrategyRegistry["mtraining_fsdp_dense"]["init_params"] == {"sparsity": None}
+
+
 def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     """Validation with sync_dist, checkpoint save/resume, bf16-mixed and bf16-true on CP=2."""
     import lightning as L
@@ -485,7 +509,7 @@ def test_attention_callback_per_layer_options_with_configure_model():
         SparseAttentionCallback(dense_layers=[1], layer_sparsity={1: budgets})
 
 
-def _resume_worker(rank: int, world_size: int, ckpt_dir: str, phase: str) -> dict[str, Any]:
+def _resume_worker(rank: int, world_size: int, ckpt_dir: str, phase: str, fsdp: bool = False) -> dict[str, Any]:
     """``phase="save"``: 2 steps with a checkpoint, then (a fresh run) 4 steps straight; ``"resume"``: from the
     checkpoint to step 4. SGD with momentum, so the optimizer state must come back too."""
     import lightning as L
@@ -507,10 +531,13 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str, phase: str) -> dic
     train = torch.utils.data.DataLoader([{**one, "idx": torch.tensor(i)} for i in range(4)], batch_size=2)
 
     def trainer(steps, **kw):
+        from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
+
         kw.setdefault("enable_checkpointing", False)
-        return L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4,
-                         sparsity=None), max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, **kw)
+        cls = MTrainingFSDPStrategy if fsdp else MTrainingStrategy
+        return L.Trainer(accelerator="cpu", devices=world_size, strategy=cls(block_size=4, sparsity=None),
+                         max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, **kw)
 
     if phase == "save":
         trainer(2, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True).fit(
@@ -524,13 +551,14 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str, phase: str) -> dic
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_at_another_cp_size(tmp_path):
-    """A checkpoint written on a CP group of 2 resumes on one process and on a CP group of 3 with the same next
-    losses as the uninterrupted run (a Trainer checkpoint holds full, unsharded parameters and optimizer state;
-    the sequence split is not part of it)."""
-    saved = run_distributed(_resume_worker, 2, str(tmp_path), "save", timeout=300)[0]["records"]
-    on3 = run_distributed(_resume_worker, 3, str(tmp_path), "resume", timeout=300)[0]["records"]
-    on1 = _resume_worker(0, 1, str(tmp_path), "resume")["records"]
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_checkpoint_resumes_at_another_cp_size(tmp_path, fsdp):
+    """A checkpoint written on a CP group of 2 resumes on a CP group of 3 (and, DDP, on one process) with the same
+    next losses as the uninterrupted run: MTrainingStrategy's checkpoint holds full parameters and optimizer state;
+    MTrainingFSDPStrategy's is a distributed checkpoint (one shard per rank), resharded when loaded."""
+    saved = run_distributed(_resume_worker, 2, str(tmp_path), "save", fsdp, timeout=300)[0]["records"]
+    on3 = run_distributed(_resume_worker, 3, str(tmp_path), "resume", fsdp, timeout=300)[0]["records"]
+    on1 = on3 if fsdp else _resume_worker(0, 1, str(tmp_path), "resume")["records"]
     assert len(saved) == 4 and saved[2][1] < saved[0][1]  # it trained
     for resumed in (on1, on3):
         assert len(resumed) == 2
