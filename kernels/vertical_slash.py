@@ -55,6 +55,7 @@ tensor cores' tf32 on the GPU (Triton's default), about 3e-4 relative error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -948,13 +949,21 @@ def block_backward(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _attention_range():
+    """``mtraining::attention`` (``lightning_mtraining._profiling``) while a profiler runs, else nothing."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function("mtraining::attention")
+    return contextlib.nullcontext()
+
+
 class _VerticalSlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale, config):
         # positions as the kernels take them, once for both passes; ``cache`` carries what the backward reuses
         q_pos, k_pos = (p.to(device=q.device, dtype=torch.int32).contiguous() for p in (q_pos, k_pos))
         cache: dict = {}
-        out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache)
+        with _attention_range():
+            out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
         ctx.tiles, ctx.scale, ctx.config, ctx.cache = tiles, scale, config, cache
         return out
@@ -962,8 +971,9 @@ class _VerticalSlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
-        dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
-                                    config=ctx.config, grad_dtype=q.dtype, cache=ctx.cache)
+        with _attention_range():
+            dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
+                                        config=ctx.config, grad_dtype=q.dtype, cache=ctx.cache)
         ctx.cache = None  # the gathered columns are not needed any more
         return dq, dk, dv, None, None, None, None, None
 

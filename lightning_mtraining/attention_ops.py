@@ -99,6 +99,24 @@ def _check_block_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
 _FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _capped(s: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softcap * tanh(s / softcap), 1 - tanh^2)``, or ``(s, None)`` without a cap."""
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, 1 - t * t
+
+
+def _check_variant(tiles, window: int | None, softcap: float | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys with q - k >= window are masked), got {window!r}")
+    if window is not None and tiles is not None:
+        raise ValueError("a sliding window and sparse tile lists do not combine: a window layer runs its band "
+                         "densely (ring_attention does this)")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float, got {softcap!r}")
+
+
 class TorchBlockOp:
     """Torch block op, chunked over queries so that at most ``max_scores`` score elements live at once.
 
@@ -119,6 +137,8 @@ class TorchBlockOp:
     """
 
     supports_tiles = True  # forward/backward take sparse tile lists (``tiles=``), see the module docstring
+    supports_window = True  # and ``window=`` (sliding-window layers)
+    supports_softcap = True  # and ``softcap=`` (tanh soft-capping of the scores)
 
     def __init__(self, max_scores: int = 1 << 25, fused: bool = True, max_rows: int = 128) -> None:
         if max_scores < 1 or max_rows < 1:
@@ -128,8 +148,9 @@ class TorchBlockOp:
         self.fused = fused
         self._tile_cache: dict[int, tuple] = {}
 
-    def _use_fused(self, q: torch.Tensor) -> bool:
-        return self.fused and q.device.type == "cpu" and q.dtype in _FUSED_CPU_DTYPES
+    def _use_fused(self, q: torch.Tensor, softcap: float | None = None) -> bool:
+        # ATen's CPU flash kernels have no soft-cap; capped scores take the plain path.
+        return self.fused and softcap is None and q.device.type == "cpu" and q.dtype in _FUSED_CPU_DTYPES
 
     @staticmethod
     def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -156,15 +177,16 @@ class TorchBlockOp:
         return list(zip(starts, ends, full, visible))
 
     @staticmethod
-    def _scores(qc, k, q_pos_c, k_pos, full, visible, scale, G):
-        """Masked scores [B, Hkv, G*C, visible] of a query chunk qc [B, Hkv, G*C, D] in the accumulation dtype."""
-        s = torch.matmul(qc, k[:, :, :visible].transpose(-1, -2)) * scale
+    def _scores(qc, k, q_pos_c, k_pos, full, visible, scale, G, softcap=None):
+        """Masked scores [B, Hkv, G*C, visible] of a query chunk qc [B, Hkv, G*C, D] in the accumulation dtype, and
+        the soft-cap's derivative ``1 - tanh^2`` (None without a cap)."""
+        s, dcap = _capped(torch.matmul(qc, k[:, :, :visible].transpose(-1, -2)) * scale, softcap)
         if full < visible:
             C = q_pos_c.shape[0]
             masked = k_pos[None, full:visible] > q_pos_c[:, None]  # [C, visible - full]
             s5 = s.view(s.shape[0], s.shape[1], G, C, visible)
             s5[..., full:visible].masked_fill_(masked, float("-inf"))
-        return s
+        return s, dcap
 
     def _step_masks(self, tiles, k_pos: torch.Tensor, q_pos: torch.Tensor):
         """What a step's lists allow, per query tile, kept for the step's forward and backward (the same lists
@@ -222,6 +244,27 @@ class TorchBlockOp:
                 keys)
 
     @staticmethod
+    def _window_mask(q_pos, k_pos, start, end, visible, window, B, H, Hkv):
+        """``(skip, allowed, empty_rows, keys)`` for query rows [start, end) of a sliding-window layer (the same
+        contract as :meth:`_tile_mask`): the keys are the range the chunk's window can reach, ``allowed`` the
+        token-exact band ``q - window < k <= q``."""
+        lo = int(torch.searchsorted(k_pos, q_pos[start] - window, right=True))
+        if lo >= visible:
+            return True, None, None, None
+        keys = torch.arange(lo, visible, device=k_pos.device)
+        kp, qp = k_pos[lo:visible], q_pos[start:end, None]
+        m = (kp[None, :] <= qp) & (kp[None, :] > qp - window)  # [C, n]
+        C, G = end - start, H // Hkv
+        empty = ~m.any(-1)
+        return (False, m.expand(B, H, C, m.shape[-1]).reshape(B, Hkv, G * C, m.shape[-1]),
+                empty.expand(B, H, C).reshape(B, Hkv, G * C), keys)
+
+    def _mask(self, tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv):
+        if window is not None:
+            return self._window_mask(q_pos, k_pos, start, end, visible, window, B, H, Hkv)
+        return self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+
+    @staticmethod
     def _keys(t: torch.Tensor, keys: torch.Tensor | None, visible: int) -> torch.Tensor:
         return t[:, :, :visible] if keys is None else t.index_select(2, keys)
 
@@ -232,22 +275,26 @@ class TorchBlockOp:
         else:
             acc.index_add_(2, keys, part.to(acc.dtype))
 
-    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None):
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, window=None, softcap=None):
+        """See the module docstring; ``window``: keys with ``q - k >= window`` are masked (a sliding-window
+        layer, Hugging Face's ``sliding_window``); ``softcap``: scores become ``softcap * tanh(s / softcap)``
+        before masking (Gemma 2's ``attn_logit_softcapping``)."""
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
+        _check_variant(tiles, window, softcap)
         G = H // Hkv
         adt = acc_dtype(q.dtype)
         out = torch.zeros(B, H, Sq, D, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, Sq), float("-inf"), dtype=adt, device=q.device)
         q5 = q.contiguous().view(B, Hkv, G, Sq, D)
-        fused = self._use_fused(q)
+        fused = self._use_fused(q, softcap)
         kf, vf = (k, v) if fused else (k.to(adt), v.to(adt))
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
             C = end - start
-            skip, allowed, empty, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, empty, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
             if skip:
-                continue  # nothing of this chunk is in the pattern
+                continue  # nothing of this chunk is in the pattern (or the window)
             if fused:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D)
                 if allowed is None:
@@ -262,9 +309,9 @@ class TorchBlockOp:
             else:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
                 if keys is None:
-                    s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+                    s, _ = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G, softcap)
                 else:
-                    s = torch.matmul(qc, kf.index_select(2, keys).transpose(-1, -2)) * scale
+                    s, _ = _capped(torch.matmul(qc, kf.index_select(2, keys).transpose(-1, -2)) * scale, softcap)
                 if allowed is not None:
                     s = s.masked_fill(~allowed, float("-inf"))
                 l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
@@ -277,15 +324,16 @@ class TorchBlockOp:
             lse[..., q_pos < k_pos[0]] = float("-inf")
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None, window=None, softcap=None):
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
+        _check_variant(tiles, window, softcap)
         G = H // Hkv
         adt = acc_dtype(q.dtype)
         dq = torch.zeros(B, H, Sq, D, dtype=adt, device=q.device)
         dk = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
         dv = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
-        if self._use_fused(q):
-            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles)
+        if self._use_fused(q, softcap):
+            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles, window)
         kf, vf = k.to(adt), v.to(adt)
         delta = (dout.to(adt) * out.to(adt)).sum(-1)  # [B, H, Sq]
         q5, do5 = q.view(B, Hkv, G, Sq, D), dout.view(B, Hkv, G, Sq, D)
@@ -293,7 +341,7 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            skip, allowed, _, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
             if skip:
                 continue
             C = end - start
@@ -303,20 +351,22 @@ class TorchBlockOp:
             dc = delta4[:, :, :, start:end].reshape(B, Hkv, G * C, 1)
             kc, vc = self._keys(kf, keys, visible), self._keys(vf, keys, visible)
             if keys is None:
-                s = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G)
+                s, dcap = self._scores(qc, kf, q_pos[start:end], k_pos, full, visible, scale, G, softcap)
             else:
-                s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+                s, dcap = _capped(torch.matmul(qc, kc.transpose(-1, -2)) * scale, softcap)
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - torch.where(torch.isfinite(lc), lc, torch.zeros_like(lc)))
             self._add_keys(dv, torch.matmul(p.transpose(-1, -2), doc), keys, visible)
             dp = torch.matmul(doc, vc.transpose(-1, -2))
             ds = p * (dp - dc) * scale
+            if dcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+                ds = ds * dcap
             dq.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = torch.matmul(ds, kc).view(B, Hkv, G, C, D)
             self._add_keys(dk, torch.matmul(ds.transpose(-1, -2), qc), keys, visible)
         return dq, dk, dv
 
-    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None):
+    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None, window=None):
         B, H, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         G = H // Hkv
@@ -327,7 +377,7 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            skip, allowed, _, keys = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
             if skip:
                 continue
             C = end - start
@@ -349,13 +399,14 @@ class TorchBlockOp:
         return f"TorchBlockOp(max_scores={self.max_scores}, max_rows={self.max_rows}, fused={self.fused})"
 
 
-def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: int):
+def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: int, window: int | None = None):
     """Classify (query tile, key tile) pairs by global positions: ``(full, partial, q_pos_padded, k_pos_padded)``.
 
     ``full[i, j]``: every query of tile i sees every key of tile j (no mask needed); ``partial[i, j]``: some but
     not all pairs are visible (token-level mask needed). Tiles that are neither are entirely masked and never
     computed. Ragged last tiles are padded with positions that see nothing (queries: -1) and are never seen
-    (keys: int64 max), which makes them partial, so the token mask handles the ragged edge exactly.
+    (keys: int64 max), which makes them partial, so the token mask handles the ragged edge exactly. With a
+    sliding ``window`` a key is visible to a query iff ``q - window < k <= q``.
     """
     Sq, Sk = q_pos.shape[0], k_pos.shape[0]
     nq, nk = -(-Sq // tile_q), -(-Sk // tile_k)
@@ -365,8 +416,12 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
     qmin, qmax = qp.view(nq, tile_q).min(-1).values, qp.view(nq, tile_q).max(-1).values
     kmin, kmax = kp.view(nk, tile_k).min(-1).values, kp.view(nk, tile_k).max(-1).values
     full = (kmax[None, :] <= qmin[:, None]) & (qmin[:, None] >= 0)
-    partial = (kmin[None, :] <= qmax[:, None]) & ~full
-    return full, partial, qp, kp
+    partial = kmin[None, :] <= qmax[:, None]
+    if window is not None:
+        # ragged-edge padding keys (int64 max) never enter ``full``, so kmin/kmax of real tiles decide here
+        full &= kmin[None, :] > qmax[:, None] - window
+        partial &= kmax[None, :] > qmin[:, None] - window
+    return full, partial & ~full, qp, kp
 
 
 class FlexBlockOp:
@@ -379,6 +434,9 @@ class FlexBlockOp:
     change global torch settings.
     """
 
+    supports_window = True  # forward/backward/differentiable take ``window=`` and ``softcap=`` (see TorchBlockOp)
+    supports_softcap = True
+
     def __init__(self, tile: int = 128, compile: bool = True, cache_size: int = 256) -> None:
         self.tile = tile
         self.compile = compile
@@ -387,7 +445,8 @@ class FlexBlockOp:
         # BlockMasks by the identity of the position tensors: the ring reuses the same position tensors for
         # every layer and step (see ring._positions), so each mask is built once. Entries keep the tensors
         # alive, so an id cannot be recycled while its entry exists.
-        self._masks: dict[tuple[int, int], tuple] = {}
+        self._masks: dict[tuple[int, int, int | None], tuple] = {}
+        self._score_mods: dict[float, object] = {}  # one function per cap, so compiled graphs are reused
 
     def _fn(self):
         if self._flex is None:
@@ -396,12 +455,12 @@ class FlexBlockOp:
             self._flex = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
         return self._flex
 
-    def block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    def block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
         from torch.nn.attention.flex_attention import BlockMask
 
         T = self.tile
         Sq, Sk = q_pos.shape[0], k_pos.shape[0]
-        full, partial, qp, kp = tile_classes(q_pos, k_pos, T, T)
+        full, partial, qp, kp = tile_classes(q_pos, k_pos, T, T, window)
 
         def lists(m: torch.Tensor):
             counts = m.sum(-1, dtype=torch.int32)
@@ -411,42 +470,59 @@ class FlexBlockOp:
         kv_num, kv_idx = lists(partial)
         full_num, full_idx = lists(full)
 
-        def mask_mod(b, h, qi, ki):
-            return kp[ki] <= qp[qi]
+        if window is None:
+            def mask_mod(b, h, qi, ki):
+                return kp[ki] <= qp[qi]
+        else:
+            def mask_mod(b, h, qi, ki):
+                return (kp[ki] <= qp[qi]) & (kp[ki] > qp[qi] - window)
 
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod,
                                         seq_lengths=(Sq, Sk))
 
-    def _cached_block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        key = (id(q_pos), id(k_pos))
+    def _cached_block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
+        key = (id(q_pos), id(k_pos), window)
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) >= self.cache_size:
                 self._masks.pop(next(iter(self._masks)))
-            hit = self._masks[key] = (q_pos, k_pos, self.block_mask(q_pos, k_pos))
+            hit = self._masks[key] = (q_pos, k_pos, self.block_mask(q_pos, k_pos, window))
         return hit[2]
 
-    def _call(self, q, k, v, q_pos, k_pos, scale):
-        out, lse = self._fn()(q, k, v, block_mask=self._cached_block_mask(q_pos, k_pos), scale=scale,
+    def _score_mod(self, softcap: float | None):
+        if softcap is None:
+            return None
+        fn = self._score_mods.get(softcap)
+        if fn is None:
+            def fn(score, b, h, qi, ki):
+                return torch.tanh(score / softcap) * softcap
+
+            self._score_mods[softcap] = fn
+        return fn
+
+    def _call(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None):
+        _check_variant(None, window, softcap)
+        out, lse = self._fn()(q, k, v, score_mod=self._score_mod(softcap),
+                              block_mask=self._cached_block_mask(q_pos, k_pos, window), scale=scale,
                               enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
         return out, lse
 
-    def forward(self, q, k, v, q_pos, k_pos, scale):
+    def forward(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None):
         _check_block_inputs(q, k, v, q_pos, k_pos)
-        out, lse = self._call(q, k, v, q_pos, k_pos, scale)
+        out, lse = self._call(q, k, v, q_pos, k_pos, scale, window, softcap)
         return out, lse.float()
 
-    def differentiable(self, q, k, v, q_pos, k_pos, scale) -> torch.Tensor:
+    def differentiable(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None) -> torch.Tensor:
         """The block's output with FlexAttention's own autograd (used when a ring has a single step)."""
-        return self._call(q, k, v, q_pos, k_pos, scale)[0]
+        return self._call(q, k, v, q_pos, k_pos, scale, window, softcap)[0]
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, window=None, softcap=None):
         # With w = exp(lse_blk - lse): out = sum_blk w * out_blk, so dL/dout_blk = w * dout and
         # dL/dlse_blk = w * rowsum(dout * (out_blk - out)). Pushing these through FlexAttention's own backward
         # gives dS = P_blk * w * (dP - rowsum(dout*out)) = P * (dP - D): the flash backward with the global lse.
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out_blk, lse_blk = self._call(qd, kd, vd, q_pos, k_pos, scale)
+            out_blk, lse_blk = self._call(qd, kd, vd, q_pos, k_pos, scale, window, softcap)
             lse_blk32 = lse_blk.float()
             w = torch.where(torch.isfinite(lse_blk32), torch.exp(lse_blk32 - lse.float()), torch.zeros_like(lse_blk32))
             d_out = (dout.float() * w.unsqueeze(-1)).to(out_blk.dtype)

@@ -7,10 +7,32 @@ only concatenated along dim 0 (``[W * d0, ...]``), not stacked (``[W, d0, ...]``
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_stacked", "reduce_scatter_dim0"]
+__all__ = ["all_gather_stacked", "named_failure", "reduce_scatter_dim0"]
+
+
+@contextlib.contextmanager
+def named_failure(what: str) -> Iterator[None]:
+    """Re-raise a failed or timed-out collective with what it was and which rank waited.
+
+    Gloo raises ``Timed out waiting 1800000ms for recv operation to complete`` after the process group's timeout,
+    naming neither the operation nor the peer; this adds both. (NCCL's watchdog aborts the process itself after the
+    timeout, naming the operation's type and sequence number.)
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(
+            f"rank {rank}: {what} failed: {err}. A rank it waits on died, stalled or ran different work; the wait is "
+            "bounded by the process group's timeout (MTrainingStrategy(timeout=...), "
+            "init_process_group(timeout=...))"
+        ) from err
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -22,7 +44,8 @@ def all_gather_stacked(t: torch.Tensor, group: dist.ProcessGroup | None, size: i
         return t[None]
     t = t.contiguous()
     out = torch.empty((size * t.shape[0], *t.shape[1:]) if t.dim() else (size,), dtype=t.dtype, device=t.device)
-    _ALL_GATHER(out, t if t.dim() else t[None], group=group)
+    with named_failure(f"all-gather of {tuple(t.shape)} over a group of {size}"):
+        _ALL_GATHER(out, t if t.dim() else t[None], group=group)
     return out.view(size, *t.shape)
 
 
@@ -32,5 +55,6 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup | None, size: 
         return t[0]
     t = t.contiguous()
     out = torch.empty((t.shape[1] if t.dim() > 1 else 1, *t.shape[2:]), dtype=t.dtype, device=t.device)
-    _REDUCE_SCATTER(out, t.view(size * out.shape[0], *t.shape[2:]) if t.dim() > 1 else t, group=group)
+    with named_failure(f"reduce-scatter of {tuple(t.shape)} over a group of {size}"):
+        _REDUCE_SCATTER(out, t.view(size * out.shape[0], *t.shape[2:]) if t.dim() > 1 else t, group=group)
     return out if t.dim() > 1 else out[0]

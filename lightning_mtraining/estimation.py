@@ -69,7 +69,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_mtraining.collectives import all_gather_stacked, reduce_scatter_dim0
+from lightning_mtraining._profiling import ESTIMATE, profiled
+from lightning_mtraining.collectives import all_gather_stacked, named_failure, reduce_scatter_dim0
 from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 
@@ -226,7 +227,8 @@ class _Probe:
         rows = torch.where(mine[:, None, :, None], rows, torch.zeros((), dtype=q.dtype, device=q.device))
         if self.cp_size > 1:
             rows = rows.contiguous()
-            dist.all_reduce(rows, group=self.group)
+            with named_failure(f"the probe queries' all-reduce {tuple(rows.shape)}"):
+                dist.all_reduce(rows, group=self.group)
         return rows.contiguous()
 
     def chunks(self):
@@ -422,6 +424,7 @@ def _sorted_indices(*parts: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@profiled(ESTIMATE)
 def estimate_pattern(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -160,15 +160,13 @@ def ring_attention_forward(
         fields = _attention_dropout_fields(getattr(module, "config", None))
         where = ", ".join(f"config.{k}={v}" for k, v in fields.items()) or f"dropout={dropout}"
         raise ValueError(f"{name}: attention dropout ({where}) is not supported by ring attention; set it to 0.0")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{name}: attention logit soft-capping is not supported by ring attention")
+    # Sliding-window layers (Gemma 2/3, Mistral, Qwen2 with use_sliding_window) pass their window, Gemma 2 its
+    # score soft-cap; both are computed exactly by the ring (a window layer runs its band densely).
     window = kwargs.get("sliding_window")
-    global_len = query.shape[2] * cfg.cp_size
-    if window is not None and window < global_len:
-        raise ValueError(
-            f"{name}: sliding-window attention (window {window} < sequence length {global_len}) is not supported by "
-            "ring attention, which computes full causal attention"
-        )
+    softcap = kwargs.get("softcap")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{name}: learned attention sinks (s_aux, gpt-oss's `sinks`) are not supported by ring "
+                         "attention")
     if getattr(module, "is_causal", True) is False:
         raise ValueError(f"{name} is not causal; ring attention only computes causal attention")
     # Under autocast (precision="bf16-mixed") RoPE returns float32 q/k while v is bfloat16: run attention in
@@ -179,19 +177,28 @@ def ring_attention_forward(
     else:
         dtype = query.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    out = ring_attention(
+    try:
+        out = _ring(module, cfg, query, key, value, scaling, window, softcap)
+    except ValueError as err:  # name the layer: the ring's own messages do not know it
+        raise ValueError(f"{name} (layer {getattr(module, 'layer_idx', '?')}): {err}") from None
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
+    return ring_attention(
         query,
         key,
         value,
         group=cfg.group,
         layout=cfg.layout,
         block_size=cfg.block_size,
-        sparsity=_layer_pattern(module, cfg, query, key, scaling),
+        sparsity=None if window is not None else _layer_pattern(module, cfg, query, key, scaling),
         inner_group=cfg.inner_group,
         outer_group=cfg.outer_group,
         scale=scaling,
+        window=window,
+        softcap=softcap,
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:
@@ -242,6 +249,11 @@ def _attention_dropout_fields(config: Any) -> dict[str, float]:
     }
 
 
+# Hugging Face ``config.layer_types`` entries that ring attention computes exactly: full causal attention, and
+# causal attention in a sliding window (the window comes from the layer's ``sliding_window`` at call time).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
 def validate_model(model: nn.Module) -> None:
     """Raise a clear error if ring attention cannot reproduce ``model``'s attention exactly."""
     name = type(model).__name__
@@ -256,22 +268,17 @@ def validate_model(model: nn.Module) -> None:
             "Use a model whose attention supports `attn_implementation` (Llama, Qwen2, Mistral, ...).",
         )
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    other = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
     if other:
         fail(
-            f"layer types {other} (sliding-window or other non-full attention) are in use",
-            "Only full causal attention layers are supported.",
+            f"layer types {other} are in use",
+            f"Ring attention computes the layer types {sorted(SUPPORTED_LAYER_TYPES)} (causal attention, "
+            "optionally in a sliding window).",
         )
-    # Configs without layer_types (Mistral) apply config.sliding_window to every layer when it is set.
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and not layer_types:
-        fail(
-            f"sliding-window attention is in use (config.sliding_window={config.sliding_window})",
-            "Set config.sliding_window = None if full causal attention is what you want.",
-        )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        fail(f"attention logit soft-capping (config.attn_logit_softcapping={config.attn_logit_softcapping})",
-             "Ring attention computes plain softmax attention.")
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        window = config.sliding_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            fail(f"config.sliding_window={window!r} is not a positive int", "Set it to the window in tokens or None.")
     dropout = _attention_dropout_fields(config)
     if dropout:
         fields = ", ".join(f"config.{k}={v}" for k, v in dropout.items())
@@ -280,6 +287,9 @@ def validate_model(model: nn.Module) -> None:
     if not modules:
         fail("unknown attention (no attention module with `is_causal` and `layer_idx` found)",
              "Use a model whose attention supports `attn_implementation` (Llama, Qwen2, Mistral, ...).")
+    sinks = [type(m).__name__ for m in modules if isinstance(getattr(m, "sinks", None), torch.Tensor)]
+    if sinks:
+        fail(f"learned attention sinks ({sinks[0]}.sinks, as in gpt-oss)", "Ring attention has no sink logits.")
     non_causal = [type(m).__name__ for m in modules if m.is_causal is False]
     if non_causal or getattr(config, "is_causal", True) is False:
         where = non_causal[0] if non_causal else "config.is_causal=False"
@@ -371,8 +381,21 @@ class PreparedModel:
             # A 2D padding mask was checked (right padding only) when the batch was sharded; causality makes
             # it a no-op for every real token, and padded targets are -100.
             kwargs["attention_mask"] = None
-        if kwargs.get("position_ids") is None:
+        given = kwargs.get("position_ids")
+        if given is None:
             kwargs["position_ids"] = cur.position_ids
+        elif given.shape[-1] != cur.local_len or not bool((given == cur.position_ids).all()):
+            raise ValueError(
+                f"{name} received position_ids that are not the tokens' global positions (packed documents "
+                "restart them at 0?): ring attention lets every token see all earlier tokens of the sequence, so "
+                "packed documents would attend to each other. Per-document attention is not supported yet: pass no "
+                "position_ids (the strategy supplies them), one document per sequence"
+            )
+        if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+            raise ValueError(
+                f"{name} was asked for output_attentions: ring attention never materialises the attention weights "
+                "(at long context they would not fit); compute them on one device with attn_implementation='eager'"
+            )
         if kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False
         labels = kwargs.get("labels")

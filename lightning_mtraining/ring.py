@@ -56,6 +56,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from lightning_mtraining._profiling import ATTENTION, LISTS, profiled
 from lightning_mtraining.attention_ops import (
     BlockAttentionOp,
     TorchBlockOp,
@@ -64,6 +65,7 @@ from lightning_mtraining.attention_ops import (
     default_scale,
     merge_attention,
 )
+from lightning_mtraining.collectives import named_failure
 from lightning_mtraining.estimation import estimate_pattern
 from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
@@ -79,12 +81,14 @@ from mtraining_kernels.indexing import (
 __all__ = [
     "RingTopology",
     "StepLists",
+    "attention_variant",
     "backward_step",
     "build_step_lists",
     "forward_step",
     "resolve_pattern",
     "resolve_topology",
     "ring_attention",
+    "window_skips",
 ]
 
 
@@ -160,11 +164,14 @@ class _Exchange:
         nxt = dist.get_global_rank(group, (rank + 1) % size)
         prv = dist.get_global_rank(group, (rank - 1) % size)
         ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, self.recv, prv, group)]
-        self.works = dist.batch_isend_irecv(ops)
+        self.peers = (f"send of {tuple(send.shape)} to rank {nxt}", f"receive of {tuple(send.shape)} from rank {prv}")
+        with named_failure(f"ring attention's transfers to rank {nxt} and from rank {prv}"):
+            self.works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+        for w, what in zip(self.works, self.peers):
+            with named_failure(f"ring attention's {what}"):
+                w.wait()
         return self.recv
 
 
@@ -213,10 +220,13 @@ class StepLists:
         return self.lists.get(src), self.skip.get(src, False)
 
 
-def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: float, tiles=None, skip=False):
+@profiled(ATTENTION)
+def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: float, tiles=None, skip=False,
+                 variant: dict | None = None):
     """One ring step of the forward: attend to ``kv_chunk`` and merge into ``state = (out, lse)`` (or start it).
 
-    ``tiles``: the step's sparse lists (None: dense causal); ``skip``: the step has no allowed pair, nothing runs.
+    ``tiles``: the step's sparse lists (None: dense causal); ``skip``: the step has no allowed pair, nothing runs;
+    ``variant``: the op's ``window=`` / ``softcap=`` keywords (:func:`attention_variant`).
     Shared by the real ring and :mod:`lightning_mtraining.simulated`, so both have the same numerics.
     """
     adt = acc_dtype(q.dtype)
@@ -225,31 +235,56 @@ def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: 
             return (torch.zeros(q.shape, dtype=adt, device=q.device),
                     torch.full(q.shape[:3], float("-inf"), dtype=adt, device=q.device))
         return state
-    if tiles is None:
-        blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale)
-    else:
-        blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, tiles=tiles)
+    kw = dict(variant or {})
+    if tiles is not None:
+        kw["tiles"] = tiles
+    blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, **kw)
     if state is None:  # step (0, 0): this rank's own chunk
         return blk_out.to(adt), blk_lse.to(adt)
     return merge_attention(state[0], state[1], blk_out, blk_lse)
 
 
+@profiled(ATTENTION)
 def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, k_pos, scale: float, tiles=None,
-                  skip=False) -> torch.Tensor:
+                  skip=False, variant: dict | None = None) -> torch.Tensor:
     """One ring step of the backward: adds this block's dq into ``dq``, returns its packed ``[2, ...]`` dK/dV."""
     adt = acc_dtype(q.dtype)
     if skip:
         return torch.zeros((2, *kv_chunk.shape[1:]), dtype=adt, device=q.device)
-    if tiles is None:
-        dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale)
-    else:
-        dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale, tiles=tiles)
+    kw = dict(variant or {})
+    if tiles is not None:
+        kw["tiles"] = tiles
+    dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale, **kw)
     dq += dq_b
     return torch.stack([dk_b.to(adt), dv_b.to(adt)])
 
 
-def _step(plan: StepLists | None, src: int) -> tuple[TileLists | None, bool]:
-    return (None, False) if plan is None else plan.for_source(src)
+def _step(plan: StepLists | None, src: int, skip_dense: dict[int, bool] | None = None) -> tuple[TileLists | None, bool]:
+    if plan is None:
+        return None, bool(skip_dense and skip_dense.get(src, False))
+    return plan.for_source(src)
+
+
+def window_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, window: int | None) -> dict[int, bool] | None:
+    """For a sliding-window layer: which source ranks' chunks hold no key inside this rank's queries' windows
+    (their ring steps compute nothing). None without a window."""
+    if window is None:
+        return None
+    q_pos = positions[cp_rank]
+    out = {}
+    for src, k_pos in enumerate(positions):
+        # a query q sees a key iff q - window < k <= q: count the chunk's keys in (q - window, q] for every q
+        hi = torch.searchsorted(k_pos, q_pos, right=True)
+        lo = torch.searchsorted(k_pos, q_pos - window, right=True)
+        out[src] = not bool((hi > lo).any())
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _window_skips_cached(n: int, cp_size: int, layout: str, block_size: int, cp_rank: int,
+                         window: int | None) -> dict[int, bool] | None:
+    """:func:`window_skips` from host positions, once per shape (no device sync in each layer's forward)."""
+    return window_skips(_positions(n, cp_size, layout, block_size, torch.device("cpu")), cp_rank, window)
 
 
 def _gather_vertical_kv(kv: torch.Tensor, plan: StepLists, group, cp_size: int) -> torch.Tensor:
@@ -259,26 +294,27 @@ def _gather_vertical_kv(kv: torch.Tensor, plan: StepLists, group, cp_size: int) 
     rows = kv.index_select(3, local) * mine.view(1, 1, 1, -1, 1).to(kv.dtype)
     if cp_size > 1:
         rows = rows.contiguous()
-        dist.all_reduce(rows, group=group)
+        with named_failure(f"ring attention's all-reduce of the vertical keys' K/V {tuple(rows.shape)}"):
+            dist.all_reduce(rows, group=group)
     return rows
 
 
 def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float, plan=None,
-                  group=None):
+                  group=None, variant: dict | None = None, skip_dense: dict[int, bool] | None = None):
     state = None
     for src, cur in _walk(kv, topo):
-        tiles, skip = _step(plan, src)
-        state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip)
+        tiles, skip = _step(plan, src, skip_dense)
+        state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip, variant)
     if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals]
         kv_v = _gather_vertical_kv(kv, plan, group, topo.cp_size)
         state = forward_step(state, op, q, kv_v, positions[topo.cp_rank], plan.vert_pos, scale, plan.gathered,
-                             plan.gathered_skip)
+                             plan.gathered_skip, variant)
         return state, kv_v
     return state, None
 
 
 def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: BlockAttentionOp, scale: float,
-                   plan=None):
+                   plan=None, variant: dict | None = None, skip_dense: dict[int, bool] | None = None):
     adt = acc_dtype(q.dtype)
     q_pos = positions[topo.cp_rank]
     dq = torch.zeros(q.shape, dtype=adt, device=q.device)
@@ -294,8 +330,8 @@ def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Blo
         for si in range(Wi):
             kv_pending = _inner(topo, cur) if si < Wi - 1 else None
             src = topo.source(so, si)
-            tiles, skip = _step(plan, src)
-            dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[src], scale, tiles, skip)
+            tiles, skip = _step(plan, src, skip_dense)
+            dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[src], scale, tiles, skip, variant)
             if inner_dkv is not None:  # what the previous ranks of the inner ring accumulated for this chunk
                 dkv += inner_dkv.wait()
             if Wi > 1:  # on to the next rank; after the last step this returns the chunk to its starter
@@ -316,13 +352,15 @@ def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Blo
     return dq, total[0], total[1]
 
 
-def _gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, scale, group, cp_size: int, dk, dv):
+def _gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, scale, group, cp_size: int, dk, dv,
+                       variant: dict | None = None):
     """The gathered vertical step's backward: dq here, the columns' dK/dV summed over the ranks and added by their
     owners (Note [Gathered verticals])."""
     dkv_v = backward_step(dq, op, q, kv_v, out, lse, dout, q_pos, plan.vert_pos, scale, plan.gathered,
-                          plan.gathered_skip)
+                          plan.gathered_skip, variant)
     if cp_size > 1:
-        dist.all_reduce(dkv_v, group=group)
+        with named_failure(f"ring attention's all-reduce of the vertical keys' dK/dV {tuple(dkv_v.shape)}"):
+            dist.all_reduce(dkv_v, group=group)
     local, mine = plan.owned
     keep = mine.view(1, 1, 1, -1, 1).to(dkv_v.dtype)
     dk.index_add_(2, local, (dkv_v[0] * keep[0]).to(dk.dtype))
@@ -331,23 +369,25 @@ def _gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, topo, positions, op, scale, plan, group):
+    def forward(ctx, q, k, v, topo, positions, op, scale, plan, group, variant=None, skip_dense=None):
         kv = torch.stack([k, v])
-        (out_acc, lse), kv_v = _ring_forward(q, kv, topo, positions, op, scale, plan, group)
+        (out_acc, lse), kv_v = _ring_forward(q, kv, topo, positions, op, scale, plan, group, variant, skip_dense)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse, kv_v)
         ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan, ctx.group = topo, positions, op, scale, plan, group
+        ctx.variant, ctx.skip_dense = variant, skip_dense
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse, kv_v = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = _ring_backward(dout, q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan)
+        dq, dk, dv = _ring_backward(dout, q, kv, out, lse, ctx.topo, ctx.positions, ctx.op, ctx.scale, ctx.plan,
+                                    ctx.variant, ctx.skip_dense)
         if kv_v is not None:
             _gathered_backward(dq, q, kv_v, out, lse, dout, ctx.positions[ctx.topo.cp_rank], ctx.plan, ctx.op,
-                               ctx.scale, ctx.group, ctx.topo.cp_size, dk, dv)
-        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None
+                               ctx.scale, ctx.group, ctx.topo.cp_size, dk, dv, ctx.variant)
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -438,6 +478,7 @@ def resolve_pattern(
     return pattern
 
 
+@profiled(LISTS)
 def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sources, num_heads: int,
                      num_kv_heads: int, n: int, verticals: str = "arrival") -> StepLists:
     """This rank's lists for every ring step (queries at ``positions[cp_rank]`` against each source's keys).
@@ -466,6 +507,34 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
     work = torch.stack(flags).tolist()
     return StepLists(lists, {src: not w for src, w in zip(sources, work)}, vert_pos, gathered,
                      not work[-1] if gather else True, owned)
+
+
+def attention_variant(window: int | None = None, softcap: float | None = None) -> dict:
+    """The block op keywords of an attention variant (only those set: plain causal attention passes none)."""
+    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+
+
+def _check_window(window: int | None, n: int) -> int | None:
+    """A valid window, or None when it spans the whole (padded) sequence and so masks nothing."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (query q sees key k iff q - window < k <= q), got {window!r}")
+    return None if window >= n else window
+
+
+def _variant_op(op: BlockAttentionOp, window: int | None, softcap: float | None) -> BlockAttentionOp:
+    """``op``, after checking that it computes the variant (a clear error naming the op and the option if not)."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0):
+        raise ValueError(f"softcap must be a positive float (scores become softcap * tanh(s / softcap)), got {softcap!r}")
+    for name, value, attr in (("window", window, "supports_window"), ("softcap", softcap, "supports_softcap")):
+        if value is not None and not getattr(op, attr, False):
+            raise ValueError(
+                f"{name}={value}: the block op {op!r} does not compute it ({attr} is not set). Dense ring attention "
+                "computes it with the default ops (FlexAttention on CUDA, torch elsewhere); keep such a sparse layer "
+                "dense (SparsityConfig(dense_layers=...))"
+            )
+    return op
 
 
 def _sparse_op(op: BlockAttentionOp | None, device: torch.device, tile: int) -> BlockAttentionOp:
@@ -499,6 +568,8 @@ def ring_attention(
     seq_len=None,
     layer_idx: int | None = None,
     verticals: str = "gathered",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -523,6 +594,14 @@ def ring_attention(
         verticals: where a sparse ring computes the vertical columns: ``"gathered"`` (default) in one extra step
             against their K/V gathered from every rank, which keeps the ring's steps balanced (Note [Gathered
             verticals]); ``"arrival"`` at the step their key's chunk arrives. The same result either way.
+        window: a sliding-window layer (Hugging Face's ``sliding_window``): query q sees key k iff
+            ``q - window < k <= q``, token-exact. Ring steps whose chunk holds no key inside this rank's windows
+            compute nothing (the chunk still passes through, for the ranks after this one). A window layer
+            ignores ``sparsity``: its band is already its sparse pattern, computed exactly.
+        softcap: scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's
+            ``attn_logit_softcapping``). Sparse: the pattern is estimated from uncapped scores (the cap is
+            monotonic, so each row's ranking of keys is the same), the attention over it is capped; the Triton
+            kernels have no cap, so on CUDA a soft-capped layer must run dense (a clear error says so).
 
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.
@@ -532,11 +611,14 @@ def ring_attention(
     scale = default_scale(q.shape[-1], scale)
     n = q.shape[2] * topo.cp_size
     positions = _positions(n, topo.cp_size, layout, block_size, q.device)
-    if sparsity is None:
-        op = default_block_op(q.device) if op is None else op
+    window = _check_window(window, n)
+    variant = attention_variant(window, softcap)
+    if sparsity is None or window is not None:
+        op = _variant_op(default_block_op(q.device) if op is None else op, window, softcap)
         if topo.cp_size == 1 and hasattr(op, "differentiable"):
-            return op.differentiable(q, k, v, positions[0], positions[0], scale)
-        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None, None)
+            return op.differentiable(q, k, v, positions[0], positions[0], scale, **variant)
+        skips = _window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window)
+        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None, None, variant, skips)
     if topo.cp_size > 1 and group is None and topo.outer_size > 1:
         raise ValueError(
             "sparse hierarchical ring attention needs group= (the whole CP group, for the pattern estimator) "
@@ -545,9 +627,9 @@ def ring_attention(
     est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
     pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
                               block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx)
-    op = _sparse_op(op, q.device, pattern.tile_size)
+    op = _variant_op(_sparse_op(op, q.device, pattern.tile_size), None, softcap)
     gather = verticals if topo.cp_size > 1 else "arrival"  # one rank holds every vertical already
     plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n, gather)
     if topo.cp_size == 1 and hasattr(op, "differentiable") and not plan.skip[0]:
-        return op.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0])
-    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan, est_group)
+        return op.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0], **variant)
+    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan, est_group, variant, None)

@@ -27,11 +27,15 @@ from lightning_mtraining.pattern import VerticalSlashPattern
 from lightning_mtraining.ring import (
     RingTopology,
     _check_sparse_layout,
+    _check_window,
     _positions,
     _sparse_op,
+    _variant_op,
+    attention_variant,
     backward_step,
     build_step_lists,
     forward_step,
+    window_skips,
 )
 
 __all__ = ["SimulatedRing"]
@@ -52,6 +56,9 @@ class SimulatedRing:
         verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.ring_attention`; the
             gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed over
             the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
+        window, softcap: a sliding-window layer and score soft-capping, as in
+            :func:`~lightning_mtraining.ring.ring_attention` (a window makes the ring dense, steps outside every
+            window skipped).
     """
 
     def __init__(
@@ -65,6 +72,8 @@ class SimulatedRing:
         time_steps: bool = False,
         pattern: VerticalSlashPattern | None = None,
         verticals: str = "gathered",
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         inner_size = world_size if inner_size is None else inner_size
         if world_size < 1 or inner_size < 1 or world_size % inner_size:
@@ -73,6 +82,7 @@ class SimulatedRing:
         self.inner_size, self.outer_size = inner_size, world_size // inner_size
         self.op, self.scale, self.time_steps, self.pattern = op, scale, time_steps, pattern
         self.verticals = verticals
+        self.window, self.softcap = window, softcap
         self.step_lists: list = []
         self.topos = [
             RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
@@ -111,14 +121,17 @@ class SimulatedRing:
         shard = lambda x, r: shard_sequence(x, 2, r, W, self.layout, self.block_size)  # noqa: E731
         scale = default_scale(q.shape[-1], self.scale)
         pos = _positions(n, W, self.layout, self.block_size, q.device)
-        if self.pattern is None:
-            op = default_block_op(q.device) if self.op is None else self.op
+        window = _check_window(self.window, n)
+        variant = attention_variant(window, self.softcap)
+        skips = [window_skips(pos, r, window) or {} for r in range(W)]
+        if self.pattern is None or window is not None:
+            op = _variant_op(default_block_op(q.device) if self.op is None else self.op, window, self.softcap)
             self.step_lists = [None] * W
         else:
             pattern = self.pattern.to(q.device)
             pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
             _check_sparse_layout(n, W, self.layout, self.block_size, pattern.tile_size)
-            op = _sparse_op(self.op, q.device, pattern.tile_size)
+            op = _variant_op(_sparse_op(self.op, q.device, pattern.tile_size), None, self.softcap)
             mode = self.verticals if W > 1 else "arrival"
             self.step_lists = [build_step_lists(pattern, pos, r, topo.sources(), q.shape[1], k.shape[1], n, mode)
                                for r, topo in enumerate(self.topos)]
@@ -129,42 +142,42 @@ class SimulatedRing:
             state = None
             plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
-                tiles, skip = (None, False) if plan is None else plan.for_source(src)
+                tiles, skip = (None, skips[r].get(src, False)) if plan is None else plan.for_source(src)
                 with self._timed((r, step, "fwd"), q.device):
-                    state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale, tiles, skip)
+                    state = forward_step(state, op, qs[r], kvs[src], pos[r], pos[src], scale, tiles, skip, variant)
             if plan is not None and plan.vert_pos is not None:  # the gathered vertical step
                 kv_v = torch.stack([k.index_select(2, plan.vert_pos), v.index_select(2, plan.vert_pos)])
                 with self._timed((r, W, "fwd"), q.device):
                     state = forward_step(state, op, qs[r], kv_v, pos[r], plan.vert_pos, scale, plan.gathered,
-                                         plan.gathered_skip)
+                                         plan.gathered_skip, variant)
             states.append(state)
         self._collect()
         outs = [s[0].to(q.dtype) for s in states]
-        self._saved = (qs, kvs, outs, [s[1] for s in states], pos, op, scale, (k, v))
+        self._saved = (qs, kvs, outs, [s[1] for s in states], pos, op, scale, (k, v), variant, skips)
         return outs
 
     def backward(self, douts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per-rank output gradients -> per-rank (dq, dk, dv) shards, as the real ring's backward returns them."""
         if self._saved is None:
             raise RuntimeError("call forward() before backward()")
-        qs, kvs, outs, lses, pos, op, scale, (k_full, v_full) = self._saved
+        qs, kvs, outs, lses, pos, op, scale, (k_full, v_full), variant, skips = self._saved
         W, Wi, Wo = self.world_size, self.inner_size, self.outer_size
         dqs, contrib, gathered = [], {}, {}
         for r, topo in enumerate(self.topos):
             dq = torch.zeros(qs[r].shape, dtype=lses[r].dtype, device=qs[r].device)
             plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
-                tiles, skip = (None, False) if plan is None else plan.for_source(src)
+                tiles, skip = (None, skips[r].get(src, False)) if plan is None else plan.for_source(src)
                 with self._timed((r, step, "bwd"), qs[r].device):
                     contrib[(r, step)] = backward_step(
                         dq, op, qs[r], kvs[src], outs[r], lses[r], douts[r].contiguous(), pos[r], pos[src], scale,
-                        tiles, skip,
+                        tiles, skip, variant,
                     )
             if plan is not None and plan.vert_pos is not None:
                 kv_v = torch.stack([k_full.index_select(2, plan.vert_pos), v_full.index_select(2, plan.vert_pos)])
                 with self._timed((r, W, "bwd"), qs[r].device):
                     gathered[r] = backward_step(dq, op, qs[r], kv_v, outs[r], lses[r], douts[r].contiguous(), pos[r],
-                                                plan.vert_pos, scale, plan.gathered, plan.gathered_skip)
+                                                plan.vert_pos, scale, plan.gathered, plan.gathered_skip, variant)
             dqs.append(dq.to(qs[r].dtype))
         self._collect()
         dks, dvs = [], []

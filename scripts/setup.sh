@@ -20,7 +20,7 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check \
   "triton==3.6.0" "lightning==2.6.6" "transformers==5.17.0" "torchmetrics==1.9.0" \
-  "jsonargparse[signatures]>=4.35" "pytest>=8" "setuptools>=64" \
+  "jsonargparse[signatures]>=4.35" "pytest>=8" "hypothesis>=6.100" "setuptools>=64" \
   boto3 filelock lightning-utilities numpy obstore requests tifffile urllib3
 $PIP install -q --disable-pip-version-check --no-deps "litdata==0.2.76"
 $PIP install -q --disable-pip-version-check --no-deps --no-build-isolation -e .

@@ -80,6 +80,16 @@ def test_hook_errors():
         model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="without input_ids or inputs_embeds"):
         model(labels=ids)
+    packed = torch.cat([torch.arange(5), torch.arange(7)])[None]  # two documents, positions restarting at 0
+    with pytest.raises(ValueError, match="position_ids that are not the tokens' global positions .*packed"):
+        model(input_ids=ids, position_ids=packed)
+    model(input_ids=ids, position_ids=torch.arange(12)[None])  # the true positions are fine
+    with pytest.raises(ValueError, match="asked for output_attentions: ring attention never materialises"):
+        model(input_ids=ids, output_attentions=True)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match=r"a KV cache \(past_key_values\) is not supported"):
+        model(input_ids=ids, past_key_values=DynamicCache())
 
 
 def test_unprepared_module_and_runtime_features():
@@ -89,12 +99,22 @@ def test_unprepared_module_and_runtime_features():
     with pytest.raises(RuntimeError, match="was not prepared"):
         ring_attention_forward(module, q, k, v, None)
     module._mtraining_ring = RingAttentionConfig(group=None, cp_size=1, layout="striped", block_size=4)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window 4 < sequence length 8\)"):
-        ring_attention_forward(module, q, k, v, None, sliding_window=4)
-    with pytest.raises(ValueError, match="soft-capping"):
-        ring_attention_forward(module, q, k, v, None, softcap=30.0)
+    # a window and a soft-cap are computed (tests/test_attention_variants.py checks them against float64)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    band = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=band)
+    torch.testing.assert_close(ring_attention_forward(module, q, k, v, None, sliding_window=4)[0], ref.transpose(1, 2),
+                               rtol=0, atol=1e-5)
+    s = torch.tanh(q @ kr.transpose(-1, -2) / 8**0.5 / 0.5) * 0.5  # head dim 8, cap 0.5
+    ref = torch.softmax(s.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf")), -1) @ vr
+    torch.testing.assert_close(ring_attention_forward(module, q, k, v, None, softcap=0.5)[0], ref.transpose(1, 2),
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"Module \(layer \?\): softcap must be a positive float"):
+        ring_attention_forward(module, q, k, v, None, softcap=-1.0)
     with pytest.raises(ValueError, match=r"attention dropout \(dropout=0.1\)"):
         ring_attention_forward(module, q, k, v, None, dropout=0.1)
+    with pytest.raises(ValueError, match=r"learned attention sinks \(s_aux"):
+        ring_attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
     from transformers import GPT2Config
 
     module.config = GPT2Config(attn_pdrop=0.1)  # the error names the field to change
@@ -113,13 +133,16 @@ def test_unsupported_models_fail_at_setup_naming_model_and_feature():
 
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="MistralForCausalLM .* sliding-window attention is in use"):
-        validate_model(MistralForCausalLM(MistralConfig(**tiny)))
-    validate_model(MistralForCausalLM(MistralConfig(**tiny, sliding_window=None)))  # full attention: fine
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM .*sliding_attention"):
-        validate_model(Gemma2ForCausalLM(Gemma2Config(**tiny)))
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM .* soft-capping"):
-        validate_model(Gemma2ForCausalLM(Gemma2Config(**tiny, layer_types=["full_attention"] * 2)))
+    # sliding windows and soft-capping are computed (tests/test_variant_models.py); other layer types are named
+    validate_model(MistralForCausalLM(MistralConfig(**tiny)))
+    validate_model(Gemma2ForCausalLM(Gemma2Config(**tiny)))
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM .* layer types \['chunked_attention'\] are in use"):
+        validate_model(Gemma2ForCausalLM(Gemma2Config(**tiny, layer_types=["full_attention", "chunked_attention"])))
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    oss = GptOssForCausalLM(GptOssConfig(**tiny, num_local_experts=2, num_experts_per_tok=1))
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM .* learned attention sinks \(GptOssAttention.sinks"):
+        validate_model(oss)
     model = make_model("llama")
     model.model.layers[1].self_attn.is_causal = False
     with pytest.raises(ValueError, match="LlamaForCausalLM .* non-causal attention"):

@@ -1,0 +1,48 @@
+"""No silent hangs: a rank that stalls makes the others fail within the process group's timeout, with an error
+that names the waiting rank and the operation (and, for a ring transfer, its peer). Gloo, CPU."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_distributed
+
+TIMEOUT_S, STALL_S = 3, 8
+
+
+def _stalled_worker(rank: int, world_size: int, sparse: bool):
+    from lightning_mtraining import SparsityConfig, ring_attention
+
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    g = torch.Generator().manual_seed(rank)
+    q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 64, 8, generator=g)
+    if rank == 1:
+        time.sleep(STALL_S)  # never joins: a rank that hangs (a dead rank fails its peers at once instead)
+        return "stalled"
+    sparsity = SparsityConfig(vertical_topk=2, slash_topk=2, last_q=8, tile_size=16) if sparse else None
+    start = time.monotonic()
+    try:
+        ring_attention(q, k, k, group=group, block_size=16, sparsity=sparsity)
+    except RuntimeError as err:
+        return time.monotonic() - start, str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_op(sparse):
+    results = run_distributed(_stalled_worker, 3, sparse, timeout=60)
+    assert results[1] == "stalled"
+    for rank in (0, 2):
+        waited, message = results[rank]
+        assert waited < TIMEOUT_S + 2, waited  # the group's timeout, not the stall (or forever)
+        assert message.startswith(f"rank {rank}: "), message
+        assert "timeout" in message, message
+        if sparse:  # the pattern estimator's collective is the first to wait: it names the op and the group
+            assert "all-gather" in message and "over a group of 3" in message, message
+        else:  # a ring transfer names its peer: rank 0 sends to the stalled rank 1, rank 2 receives from it
+            assert "ring attention's" in message and "rank 1" in message, message
