@@ -26,6 +26,16 @@ Each variant runs in its own process (a fresh CUDA allocator), its sequence leng
 ran out of memory (longer lengths of that variant are then skipped). A PNG (``--plot``) draws tokens/s against
 length. Random tokens give random-init attention, which is diffuse: the sparse variants' estimated patterns are
 whatever top-p 0.9 keeps of it (density printed from the strategy's metrics), not a trained model's.
+
+Time split (``--split``, default on; ``--no-split`` skips it): one more step after the timed ones runs under
+``torch.profiler`` and its device time (CUDA kernel time; CPU self time of the ops in ``--cpu-smoke``) is summed into
+``attention`` (SDPA / flash / efficient / FlexAttention ops and this repo's sparse attention, forward and backward),
+``estimation`` (``estimate_pattern``: probe-score kernels, top-k and selection), ``lists`` (``build_step_lists``: the
+per-tile index lists) and ``rest``. Each op, or kernel at the CPU call that launched it, counts for the innermost
+``mtraining::estimate`` / ``mtraining::lists`` / ``mtraining::attention`` range around it
+(``lightning_mtraining._profiling``), else for an attention op around it, else for ``rest``. Reported per row as ``split_ms`` and ``split_share``
+(of the profiled step's device time, ``split_total_ms``), and as the table's shares. Sums of kernel times: kernels
+that overlap (other streams) count in full, and a checkpointed layer's recomputed forward counts in its own category.
 """
 
 from __future__ import annotations
@@ -42,8 +52,65 @@ import time
 VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_plain_loss", "sparse_topp", "sparse_topk")
 QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)
+SPLIT = ("attention", "estimation", "lists", "rest")
+RANGES = {"mtraining::attention": "attention", "mtraining::estimate": "estimation", "mtraining::lists": "lists"}
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
+# kernels whose launch the profiler did not record, by name: the Triton kernels of kernels/probe_scores.py,
+# list_builder.py, vertical_slash.py and gluon_hopper.py
+UNLINKED = {"estimation": ("_lse_kernel", "_scores_kernel"),
+            "lists": ("_mark_kernel", "_compact_kernel", "_lists_kernel", "_col_bits_kernel"),
+            "attention": ("_vs_", "_gl_", "_bwd_preprocess_kernel", "_dkdv_cols_epilogue", "_gather_columns", "fmha",
+                          "flash", "attention")}
 SMOKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1013, tie_word_embeddings=True)
+
+
+def time_split(events, cuda: bool, compiled_is_attention: bool = False) -> dict[str, float]:
+    """Device time (us) of profiled ``events`` by category (:data:`SPLIT`): each CPU op's self time (not ``cuda``) or
+    each CUDA kernel, at the CPU call that launched it, goes to the innermost ``mtraining::`` range around it, else
+    to an attention op around it, else to ``rest``. ``compiled_is_attention``: compiled regions are attention (HF
+    FlexAttention is the only one)."""
+    names = ATTENTION_OPS + (("compiledfunction", "torch-compiled region") if compiled_is_attention else ())
+    rng: dict[int, str | None] = {}
+    op: dict[int, bool] = {}
+
+    def category(e) -> str:
+        chain = []
+        while e is not None and id(e) not in rng:
+            chain.append(e)
+            e = e.cpu_parent
+        r, a = (rng[id(e)], op[id(e)]) if e is not None else (None, False)
+        for c in reversed(chain):  # outermost first: an inner range overrides an outer one
+            r = RANGES.get(c.name, r)
+            a = a or any(n in c.name.lower() for n in names)
+            rng[id(c)], op[id(c)] = r, a
+        return r or ("attention" if a else "rest")
+
+    out = dict.fromkeys(SPLIT, 0.0)
+    cpu = [e for e in events if e.device_type.name == "CPU" and not e.is_async]
+    if not cuda:
+        for e in cpu:
+            out[category(e)] += e.self_cpu_time_total
+        return out
+    # A kernel's launch call (cudaLaunchKernel, cuLaunchKernel: same CUPTI correlation id) sits in the CPU tree
+    # under the innermost op or range, Triton launches included; the op it is linked to (linked_correlation_id) is
+    # the innermost *op*, which misses a range opened inside an op (a recomputed forward inside a backward node).
+    launches = {e.id: e for e in cpu if e.name.startswith("cu")}
+    ops = {e.id: e for e in cpu if not e.name.startswith("cu") and not getattr(e, "linked_correlation_id", 0)}
+    for d in events:
+        if d.device_type.name == "CPU" or getattr(d, "is_user_annotation", False):  # GPU spans of ranges: no time
+            continue
+        link = getattr(d, "linked_correlation_id", 0)
+        at = launches.get(d.id)
+        if at is None or getattr(at, "linked_correlation_id", 0) != link:
+            at = ops.get(link) if link else None
+        if at is not None:
+            cat = category(at)
+        else:  # launched outside any op or range: by name
+            name = d.name.lower()
+            cat = next((c for c, keys in UNLINKED.items() if any(k in name for k in keys)), "rest")
+        out[cat] += d.time_range.end - d.time_range.start
+    return out
 
 
 def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
@@ -88,12 +155,20 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     class Clock(L.Callback):
+        """Times every step; the one after the timed ones (``--split``) runs under the profiler instead."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.t0 = 0.0
             self.metrics: dict = {}
+            self.prof = None
+            self.split: dict[str, float] = {}
 
         def on_train_batch_start(self, trainer, *a):
+            if args.split and len(self.times) == args.warmup + args.steps:
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.start()
             if cuda:
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
@@ -102,6 +177,14 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            if self.prof is not None:
+                self.prof.stop()
+                try:
+                    self.split = time_split(self.prof.events(), cuda, compiled_is_attention=variant == "flex")
+                except Exception as e:  # noqa: BLE001 - a failed split leaves the timed steps' row intact
+                    self.split = {"error": f"{type(e).__name__}: {e}"[:300]}
+                self.prof = None
+                return
             self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("attention/")}
 
     def strategy():
@@ -111,8 +194,10 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             return "auto"
         sparsity = {"sparse_topp": PAPER_SPARSITY,
                     "sparse_topk": SparsityConfig(vertical_topk=1024, slash_topk=1024)}.get(variant)
-        return MTrainingStrategy(sparsity=sparsity, fused_loss=variant != "mtraining_dense_plain_loss")
+        return MTrainingStrategy(sparsity=sparsity, fused_loss=variant != "mtraining_dense_plain_loss",
+                                 offload_activations=args.offload)
 
+    extra = 1 if args.split else 0  # the profiled step
     rows, failed = [], False
     for n in seqlens:
         row = {"variant": variant, "N": n}
@@ -128,14 +213,20 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             module = LM(n)
             trainer = L.Trainer(
                 accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy(),
-                precision="bf16-true" if cuda else "32-true", max_steps=args.warmup + args.steps, logger=False,
+                precision="bf16-true" if cuda else "32-true", max_steps=args.warmup + args.steps + extra, logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 callbacks=[clock], num_sanity_val_steps=0,
             )
-            trainer.fit(module, torch.utils.data.DataLoader(Tokens(n, args.warmup + args.steps), batch_size=1))
-            timed = clock.times[args.warmup:]
+            trainer.fit(module, torch.utils.data.DataLoader(Tokens(n, args.warmup + args.steps + extra), batch_size=1))
+            timed = clock.times[args.warmup:args.warmup + args.steps]
             step = statistics.median(timed)
             row.update(status="ok", step_s=step, steps_s=timed, tokens_per_s=n / step, **clock.metrics)
+            if "error" in clock.split:
+                row.update(split_error=clock.split["error"])
+            elif clock.split:
+                total = sum(clock.split.values())
+                row.update(split_ms={c: t / 1e3 for c, t in clock.split.items()}, split_total_ms=total / 1e3,
+                           split_share={c: t / total if total else float("nan") for c, t in clock.split.items()})
             if cuda:
                 peak = torch.cuda.max_memory_allocated()
                 row.update(peak_gib=peak / 2**30, peak_bytes_per_token=peak / n)
@@ -155,7 +246,7 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     base = {r["N"]: r["tokens_per_s"] for r in rows if r["variant"] == "sdpa" and r.get("status") == "ok"}
     print(f"\n{'variant':<28} {'N':>7} {'step s':>8} {'tokens/s':>9} {'x sdpa':>7} {'peak GiB':>9} {'B/token':>9} "
-          f"{'density':>8}  status")
+          f"{'density':>8} {'prof ms':>8} {'attn%':>6} {'est%':>6} {'lists%':>6} {'rest%':>6}  status")
     for r in rows:
         ok = r.get("status") == "ok"
         x = f"{r['tokens_per_s'] / base[r['N']]:.3f}" if ok and r["N"] in base else "-"
@@ -163,7 +254,9 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['variant']:<28} {r['N']:>7} {r['step_s'] if ok else float('nan'):>8.3f} "
               f"{r['tokens_per_s'] if ok else float('nan'):>9.0f} {x:>7} {r.get('peak_gib', float('nan')):>9.2f} "
               f"{r.get('peak_bytes_per_token', float('nan')):>9.0f} "
-              f"{dens if dens is not None else float('nan'):>8.3f}  {r.get('status')}")
+              f"{dens if dens is not None else float('nan'):>8.3f} {r.get('split_total_ms', float('nan')):>8.1f} "
+              + "".join(f"{100 * r.get('split_share', {}).get(c, float('nan')):>6.1f} " for c in SPLIT)
+              + f" {r.get('status')}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -197,7 +290,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 36)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile one more step and split its device time (attention, estimation, lists, rest)")
     ap.add_argument("--plot", default="", help="PNG path for tokens/s against length")
+    ap.add_argument("--offload", action="store_true",
+                    help="mtraining variants: offload_activations=True (checkpointed layer inputs in pinned host memory)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--out", default="train_throughput.json")
@@ -226,7 +323,9 @@ def main() -> None:
     for v in args.variants:
         lens = [n for n in args.seqlens if v not in caps or n <= int(caps[v])]
         cmd = [sys.executable, __file__, "--one", v, "--seqlens", *map(str, lens), "--layers", str(args.layers),
-               "--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--split" if args.split else "--no-split"]
+        cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+        cmd += ["--offload"] if args.offload else []
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         found = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
