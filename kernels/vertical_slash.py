@@ -965,7 +965,15 @@ class _VerticalSlashAttention(torch.autograd.Function):
         with _attention_range():
             out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
-        ctx.tiles, ctx.scale, ctx.config, ctx.cache = tiles, scale, config, cache
+        # The forward's cache is not kept for the backward: its TMA descriptors hold views of q, k and v (and it
+        # holds the gathered columns), and a node's attributes live until its backward. Under activation
+        # checkpointing, whose saved-tensor hooks drop q, k, v and out, the cache alone would keep every layer's
+        # q, k and v alive through the forward: 0.31 GiB a layer at 64K tokens for the Qwen2.5-3B shape, 11.3 GiB
+        # over 36 layers (computed), against a measured 14.0 GiB more peak memory for the sparse than the dense
+        # Trainer path at 64K (benchmarks/RESULTS.md "Training throughput", before this change; its effect is not
+        # yet measured). The recomputed tensors have other addresses, so the descriptors would not be reused
+        # anyway; the backward rebuilds them (host microseconds) and gathers the columns again (one small kernel).
+        ctx.tiles, ctx.scale, ctx.config, ctx.cache = tiles, scale, config, {}
         return out
 
     @staticmethod
