@@ -22,6 +22,11 @@ Sparse ops (attribute ``supports_tiles = True``) also take ``tiles=`` (a
 :func:`~mtraining_kernels.indexing.step_tile_lists`) in both methods and then compute exactly the pairs the lists
 name (intersected with ``k_pos <= q_pos``), the same pairs as the Triton kernels.
 
+Attention variants are keywords of both methods, declared by ``supports_window`` / ``supports_softcap``:
+``window=`` (a sliding-window layer: pair allowed iff ``q_pos - window < k_pos <= q_pos``, token-exact) and
+``softcap=`` (scores ``softcap * tanh(s / softcap)`` before masking). :class:`TorchBlockOp` and :class:`FlexBlockOp`
+take both (the torch op's soft-capped chunks take its plain path: ATen's CPU flash kernels have no cap).
+
 Ops:
 
 - :class:`TorchBlockOp`: torch, chunked over queries so memory stays bounded; CPU and GPU. Plain matmul/softmax
