@@ -72,8 +72,8 @@ TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_block_op_matches_reference(window, softcap, fused, dtype):
-    """One block against another rank's keys (striped positions of W=3, ragged), and the diagonal block."""
-    n, w = 3 * layout_unit("striped", 3, BS) + 0, 3
+    """Blocks of striped positions at W=3 (rank 1 against rank 0's keys, rank 0 against rank 2's, rank 2's own)."""
+    n, w = 3 * layout_unit("striped", 3, BS), 3
     q, k, v, do = make_inputs(n, seed=7, dtype=dtype)
     op = TorchBlockOp(fused=fused, max_rows=5)  # 5-row chunks: window ranges and chunk edges disagree
     for r, src in ((1, 0), (0, 2), (2, 2)):
