@@ -479,7 +479,62 @@ class _CheckedMultiProcessingLauncher(_ChecksBeforeLaunch, _MultiProcessingLaunc
         self._mtraining_strategy = strategy
 
 
-class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
+class TrainerStepHooks:
+    """The Trainer hooks both Trainer strategies (:class:`MTrainingStrategy`, DDP, and
+    :class:`~lightning_mtraining.strategy_fsdp.MTrainingFSDPStrategy`, FSDP2) add to their Lightning base: shard
+    each batch, check the loss before backward, offload saved activations, give step outputs back whole, restore the
+    models at teardown. Placed before the Lightning strategy in the bases; needs :class:`ContextParallelMixin` and
+    the attributes ``_gather_outputs`` and ``offload_activations``."""
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.shard_batch(batch)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.check_loss(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.offload_activations:
+            return super().training_step(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        return self.gather_outputs(output) if self._gather_outputs else output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        return self.gather_outputs(output) if self._gather_outputs else output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        return self.gather_outputs(output) if self._gather_outputs else output
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._mark_interrupted()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.restore_models()
+        super().teardown()
+
+
+def check_offload(owner: str, offload_activations: Any) -> None:
+    if not isinstance(offload_activations, bool):
+        raise TypeError(f"{owner}(offload_activations=...) must be True or False, got {offload_activations!r}")
+
+
+class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for the Lightning ``Trainer``.
 
     Args:
@@ -541,10 +596,7 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
-        if not isinstance(offload_activations, bool):
-            raise TypeError(
-                f"MTrainingStrategy(offload_activations=...) must be True or False, got {offload_activations!r}"
-            )
+        check_offload("MTrainingStrategy", offload_activations)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -631,54 +683,12 @@ class MTrainingStrategy(ContextParallelMixin, DDPStrategy):
         super().setup(trainer)
 
     @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self.shard_batch(batch)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.check_loss(closure_loss)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
     def configure_ddp(self) -> None:
         if self.world_size == 1:
             # One process has nothing to average: DDP would only add its reducer, which copies every gradient
             # into communication buckets (as much memory again as the gradients) and all-reduces over one rank.
             return
         super().configure_ddp()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.offload_activations:
-            return super().training_step(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda"):
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
-        return self.gather_outputs(output) if self._gather_outputs else output
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
-        return self.gather_outputs(output) if self._gather_outputs else output
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().predict_step(*args, **kwargs)
-        return self.gather_outputs(output) if self._gather_outputs else output
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._mark_interrupted()
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        self.restore_models()
-        super().teardown()
 
     @classmethod
     @override

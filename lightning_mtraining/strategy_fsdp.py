@@ -25,7 +25,12 @@ from typing_extensions import override
 
 from lightning_mtraining.hf import find_hf_models
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
-from lightning_mtraining.strategy import ContextParallelMixin, check_context_parallel_args
+from lightning_mtraining.strategy import (
+    ContextParallelMixin,
+    TrainerStepHooks,
+    check_context_parallel_args,
+    check_offload,
+)
 
 __all__ = ["MTrainingFSDPStrategy"]
 
@@ -36,12 +41,13 @@ def _is_sharded(module: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-class MTrainingFSDPStrategy(ContextParallelMixin, ModelParallelStrategy):
+class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParallelStrategy):
     """Data parallel x context parallel with FSDP2 parameter sharding (see the module docstring).
 
     Args:
-        context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check, fused_loss,
-            activation_checkpointing: as :class:`~lightning_mtraining.strategy.MTrainingStrategy`.
+        context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check, gather_outputs,
+            fused_loss, activation_checkpointing, offload_activations: as
+            :class:`~lightning_mtraining.strategy.MTrainingStrategy`.
         reshard_after_forward: FSDP2's option for the decoder layers (``True``: parameters are gathered again in
             backward, least memory; ``False``: kept gathered from forward to backward).
         save_distributed_checkpoint, process_group_backend, timeout: as Lightning's ``ModelParallelStrategy``.
@@ -57,20 +63,25 @@ class MTrainingFSDPStrategy(ContextParallelMixin, ModelParallelStrategy):
         block_size: int = 128,
         sparsity: SparsityConfig | None = None,
         loss_check: Literal["raise", "warn", "off"] = "raise",
+        gather_outputs: bool = True,
         fused_loss: bool = True,
         activation_checkpointing: bool = False,
+        offload_activations: bool = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
+        check_offload("MTrainingFSDPStrategy", offload_activations)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
                                     fused_loss, activation_checkpointing)
         self.reshard_after_forward = reshard_after_forward
+        self._gather_outputs = gather_outputs
+        self.offload_activations = offload_activations
 
     @override
     def _configure_launcher(self) -> None:
@@ -132,33 +143,6 @@ class MTrainingFSDPStrategy(ContextParallelMixin, ModelParallelStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self.shard_batch(batch)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.check_loss(closure_loss)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.gather_outputs(super().validation_step(*args, **kwargs))
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.gather_outputs(super().test_step(*args, **kwargs))
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.gather_outputs(super().predict_step(*args, **kwargs))
-
-    @override
-    def teardown(self) -> None:
-        self.restore_models()
-        super().teardown()
 
     @classmethod
     @override
