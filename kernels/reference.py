@@ -103,17 +103,20 @@ def tile_lists_mask(
 
 
 def attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention in the inputs' dtype: (out [B,H,Sq,D], lse [B,H,Sq]); rows with no key: out 0, lse -inf.
 
     K/V are repeated over the query heads of their group here only (this is the reference); ``mask`` broadcasts
-    to [B, H, Sq, Sk].
+    to [B, H, Sq, Sk]. ``softcap``: scores ``softcap * tanh(s / softcap)`` before masking.
     """
     H, Hkv = q.shape[1], k.shape[1]
     kr = k.repeat_interleave(H // Hkv, dim=1)
     vr = v.repeat_interleave(H // Hkv, dim=1)
     s = torch.matmul(q, kr.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -132,14 +135,24 @@ def vertical_slash_attention_ref(q, k, v, vertical_idx, slash_idx, block_size: i
     return attention_ref(q, k, v, vertical_slash_mask(vi, si, S, block_size, block_n=block_n), scale)
 
 
-def attention_chunked_ref(q, k, v, dout, mask_rows, scale: float, dtype: torch.dtype, chunk: int = 1024):
+def attention_chunked_ref(q, k, v, dout, mask_rows, scale: float, dtype: torch.dtype, chunk: int = 1024,
+                          softcap: float | None = None):
     """Forward and flash-style backward in torch, chunked over queries, every tensor in ``dtype``.
 
     ``mask_rows(r0, r1)`` returns the mask [B', H', r1 - r0, Sk] of computed pairs for query rows [r0, r1). Used
     on the GPU at 8K-32K where an S x S float32 tensor would not fit: with ``dtype=float32`` it is the reference,
     with ``dtype=bfloat16`` it is "the same computation in torch at the kernel's precision". Returns
     (out, lse, dq, dk, dv), out/dq/dk/dv in ``dtype``, lse float32; K/V gradients summed over each KV group.
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` (computed in float32, the kernels' precision for scores).
     """
+
+    def scores(r0, r1):
+        s = torch.matmul(qd[:, :, r0:r1], kr.transpose(-1, -2)) * scale
+        if softcap is None:
+            return s, None
+        t = torch.tanh(s.float() / softcap)
+        return (t * softcap).to(s.dtype), 1 - t * t
+
     B, H, Sq, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
@@ -149,7 +162,7 @@ def attention_chunked_ref(q, k, v, dout, mask_rows, scale: float, dtype: torch.d
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     for r0 in range(0, Sq, chunk):
         r1 = min(Sq, r0 + chunk)
-        s = torch.matmul(qd[:, :, r0:r1], kr.transpose(-1, -2)) * scale
+        s, _ = scores(r0, r1)
         s = s.masked_fill(~mask_rows(r0, r1), float("-inf"))
         lse_c = torch.logsumexp(s.float(), -1)
         safe = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
@@ -163,14 +176,15 @@ def attention_chunked_ref(q, k, v, dout, mask_rows, scale: float, dtype: torch.d
     for r0 in range(0, Sq, chunk):
         r1 = min(Sq, r0 + chunk)
         m = mask_rows(r0, r1)
-        s = torch.matmul(qd[:, :, r0:r1], kr.transpose(-1, -2)) * scale
+        s, dcap = scores(r0, r1)
         lse_c = lse[:, :, r0:r1]
         safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))
         p = torch.where(m, torch.exp(s.float() - safe[..., None]), 0.0).to(dtype)
         do_c = dod[:, :, r0:r1]
         dvr += torch.matmul(p.transpose(-1, -2), do_c).float()
         dp = torch.matmul(do_c, vr.transpose(-1, -2))
-        ds = (p.float() * (dp.float() - delta[:, :, r0:r1, None])).to(dtype)
+        ds = p.float() * (dp.float() - delta[:, :, r0:r1, None])
+        ds = (ds if dcap is None else ds * dcap).to(dtype)
         dq[:, :, r0:r1] = torch.matmul(ds, kr) * scale
         dkr += torch.matmul(ds.transpose(-1, -2), qd[:, :, r0:r1]).float() * scale
     dk = dkr.view(B, Hkv, G, -1, D).sum(2).to(dtype)

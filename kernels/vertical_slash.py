@@ -89,9 +89,22 @@ CHUNK = tl.constexpr(COL_CHUNK)  # column slots per bit word
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED: tl.constexpr):
+def _scores(qk, qk_scale, cap2, SOFTCAP: tl.constexpr):
+    """Scores in log2 units from the raw products ``qk`` (``qk_scale`` = scale * log2(e)), and, with SOFTCAP,
+    ``t = tanh(scale * qk / c)`` for the backward: the capped score ``c * tanh(scale * qk / c)`` is ``cap2 * t``
+    with ``cap2`` = c * log2(e). tanh(x) = 1 - 2 / (exp(2x) + 1): +-1 where exp2 overflows or underflows, no NaN.
+    Without SOFTCAP the second value is ``qk`` (unused)."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * qk_scale / cap2) * LOG2E_C) + 1.0)
+        return cap2 * t, t
+    else:
+        return qk * qk_scale, qk
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step of a [BM, D] query tile against [N, D] keys/values (scores in log2 units)."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s, _ = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap2, SOFTCAP)
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -107,26 +120,31 @@ def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, MASKED: tl.constexpr):
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+def _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, cap2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    s, t = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap2, SOFTCAP)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
         p = tl.where(allowed, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+        ds = ds * (1.0 - t * t)
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED: tl.constexpr):
+def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, cap2, MASKED: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Transposed step: [N, D] keys against a [BM, D] query tile; allowed_t is [N, BM]."""
-    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    s_t, t_t = _scores(tl.dot(k, tl.trans(q)), qk_scale, cap2, SOFTCAP)
     p_t = tl.math.exp2(s_t - lse2[None, :])
     if MASKED:
         p_t = tl.where(allowed_t, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
     dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
@@ -236,14 +254,14 @@ def _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, offs_m, offs_d, s
 
 @triton.jit
 def _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos, row_base, offs_d,
-                   sqs, sds, Sq, qk_scale, MASKED: tl.constexpr, HAS_SEL: tl.constexpr):
+                   sqs, sds, Sq, qk_scale, cap2, MASKED: tl.constexpr, HAS_SEL: tl.constexpr, SOFTCAP: tl.constexpr):
     """dk/dv contributions of the query rows ``row0 + offs_m0`` (one flat-loop step of the dk/dv kernels)."""
     q, do, lse2, delta, q_pos = _load_q_side(q_base, do_base, Lse2, Delta, QPos, row_base, row0 + offs_m0, offs_d,
                                              sqs, sds, Sq)
     allowed_t = k_pos[:, None] <= q_pos[None, :]
     if HAS_SEL:
         allowed_t = allowed_t & sel[:, None]
-    return _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, MASKED)
+    return _dkdv_step(dk, dv, k, v, q, do, lse2, delta, allowed_t, qk_scale, cap2, MASKED, SOFTCAP)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -374,12 +392,12 @@ DEFAULT_CONFIG = KernelConfig()
 def _vs_fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
-    qk_scale, Sq, Sk, H, GROUP, J,
+    qk_scale, cap2, Sq, Sk, H, GROUP, J,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK_J: tl.constexpr,
-    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    ROWS: tl.constexpr, HEAVY_FIRST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
@@ -403,11 +421,11 @@ def _vs_fwd_kernel(
     for i in range(0, nmask * R):  # tiles that need the token mask
         k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
                                  True)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, True, SOFTCAP)
     for i in range(nmask * R, cnt * R):  # tiles fully visible to every query of the tile
         k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
                                  False)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, False)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, False, SOFTCAP)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih
@@ -417,7 +435,7 @@ def _vs_fwd_kernel(
             k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
                                        BLOCK_C)
             allowed = k_pos[None, :] <= q_pos[:, None]
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, True)
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, True, SOFTCAP)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -466,12 +484,12 @@ def _bwd_preprocess_kernel(
 def _vs_bwd_dq_kernel(
     Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, J,
+    qk_scale, cap2, sm_scale, Sq, Sk, H, GROUP, J,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     SUB_N: tl.constexpr, HAS_COLS: tl.constexpr, BLOCK_J: tl.constexpr, ROWS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_m, pid_bh, offs_m = _query_program(Sq, ROWS, BLOCK_M, HEAVY_FIRST)
     b = pid_bh // H
@@ -498,11 +516,11 @@ def _vs_bwd_dq_kernel(
     for i in range(0, nmask * R):
         k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
                                  True)
-        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, cap2, True, SOFTCAP)
     for i in range(nmask * R, cnt * R):
         k, v, allowed = _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, Sk, BLOCK_N, SUB_N,
                                  False)
-        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, False)
+        dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, cap2, False, SOFTCAP)
     if HAS_COLS:
         offs_c = tl.arange(0, BLOCK_C)
         c_base = ColIdx + b * sib + h * sih
@@ -512,7 +530,7 @@ def _vs_bwd_dq_kernel(
             k, v, k_pos = _gather_cols(c_base, k_base, v_base, KPos, bits_base, j, J, offs_c, offs_d, sks, svs,
                                        BLOCK_C)
             allowed = k_pos[None, :] <= q_pos[:, None]
-            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, True)
+            dq = _dq_step(dq, q, do, lse2, delta, k, v, allowed, qk_scale, cap2, True, SOFTCAP)
     dq_ptrs = DQ + pid_bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -521,10 +539,11 @@ def _vs_bwd_dq_kernel(
 def _vs_bwd_dkdv_kernel(
     Q, K, V, DO, Lse2, Delta, DK, DV, QPos, KPos,
     BIdx, BCnt, BNm,
-    qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP,
+    qk_scale, cap2, sm_scale, Sq, Sk, H, HKV, GROUP,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sfb, sfh, sfm, scb, sch, scm, snb, snh, snm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
@@ -551,12 +570,12 @@ def _vs_bwd_dkdv_kernel(
         for i in range(0, nmask * R):
             row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
             dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
-                                    row_base, offs_d, sqs, sds, Sq, qk_scale, True, False)
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, cap2, True, False, SOFTCAP)
         for i in range(nmask * R, cnt * R):
             # a ragged last query tile may be "unmasked": its missing rows have p = 0 (see _load_q_side)
             row0 = tl.load(f_base + i // R) * BLOCK_M + (i % R) * SUB_M
             dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, k_pos, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
-                                    row_base, offs_d, sqs, sds, Sq, qk_scale, False, False)
+                                    row_base, offs_d, sqs, sds, Sq, qk_scale, cap2, False, False, SOFTCAP)
     out_off = pid_bk.to(tl.int64) * Sk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < Sk)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < Sk)
@@ -566,10 +585,11 @@ def _vs_bwd_dkdv_kernel(
 def _vs_bwd_dkdv_cols_kernel(
     Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
     ColIdx, ColBits,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, Mq, NC, P, BH,
+    qk_scale, cap2, sm_scale, Sq, Sk, H, GROUP, Mq, NC, P, BH,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sib, sih, sbb, sbh, sbm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SUB_M: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program per (BLOCK_C column slots = BLOCK_C / 64 chunks, batch * head, part p): the p-th of P equal ranges
     of the query tiles that see those chunks; writes its partial dk/dv of the slots to DKC/DVC [P, GROUP, B, HKV,
@@ -615,7 +635,7 @@ def _vs_bwd_dkdv_cols_kernel(
         sel = _col_sel(bits_base + (i // R) * sbm, j0, J, offs_c, BLOCK_C)
         row0 = (i // R) * BLOCK_M + (i % R) * SUB_M
         dk, dv = _dkdv_sub_tile(dk, dv, k, v, k_pos, sel, row0, offs_m0, q_base, do_base, Lse2, Delta, QPos,
-                                row_base, offs_d, sqs, sds, Sq, qk_scale, True, True)
+                                row_base, offs_d, sqs, sds, Sq, qk_scale, cap2, True, True, SOFTCAP)
     # partials laid out [P, GROUP, 2, B, HKV, NC, D] (DKC / DVC: the views [:, :, 0] / [:, :, 1]): head g's dk and
     # dv of every KV group are one contiguous slab
     slab = (pid_p * GROUP + h % GROUP) * 2 * (BH // GROUP) + b * (H // GROUP) + hk
@@ -690,6 +710,15 @@ _LAUNCH_FWD, _LAUNCH_PRE, _LAUNCH_DQ, _LAUNCH_DKDV, _LAUNCH_COLS, _LAUNCH_EPI = 
                             _vs_bwd_dkdv_cols_kernel, _dkdv_cols_epilogue_kernel))
 
 
+def _cap2(softcap: float | None) -> float:
+    """The kernels' ``cap2`` argument: the soft-cap in log2 units (1.0, unused, without one)."""
+    if softcap is None:
+        return 1.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive float (scores become softcap * tanh(s / softcap)), got {softcap!r}")
+    return float(softcap) * LOG2E
+
+
 def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
     """Strides of the first ``nd`` dims, 0 where the dim has size 1 (lists broadcast over batch and heads)."""
     return [0 if t.shape[i] == 1 else t.stride(i) for i in range(nd)]
@@ -751,9 +780,15 @@ def _col_split(programs: int, mq: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(8 * sms, max(programs, 1)), mq // 16))
 
 
-def _use_gluon(choice: str, which: str, q: torch.Tensor, tiles: TileLists, extra_ok: bool) -> bool:
+def _use_gluon(choice: str, which: str, q: torch.Tensor, tiles: TileLists, extra_ok: bool,
+               softcap: float | None = None) -> bool:
     """Whether KernelConfig.<which> = ``choice`` runs the Gluon kernel here; 'gluon' where it cannot: an error."""
     if choice == "triton":
+        return False
+    if softcap is not None:  # the Gluon kernels apply no soft-cap: the Triton kernels do
+        if choice == "gluon":
+            raise ValueError(f"KernelConfig({which}='gluon') cannot run with softcap={softcap}: the Gluon kernels "
+                             f"apply no soft-cap; use {which}='auto' (the Triton kernel) or 'triton'")
         return False
     from mtraining_kernels.gluon_hopper import gluon_supported
 
@@ -783,8 +818,12 @@ def block_forward(
     block_n: int = 64,
     config: KernelConfig | None = None,
     cache: dict | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Sq,D] against k/v [B,Hkv,Sk,D] over ``tiles`` (None: dense causal by positions).
+
+    ``softcap``: scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax (Gemma 2's
+    ``attn_logit_softcapping``); the Triton kernels apply it (the Gluon ones do not, so ``"auto"`` picks Triton).
 
     Returns ``(out [B,H,Sq,D], lse [B,H,Sq] float32, natural log)``. If ``out`` and ``lse`` are given (a running
     result, any float dtype for out), the block is merged into them by log-sum-exp in place and they are returned.
@@ -801,7 +840,7 @@ def block_forward(
     if has_prev and (out.shape != q.shape or lse.shape != (B, H, Sq) or out.stride(-1) != 1):
         raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
     prev_ok = not has_prev or (out.is_contiguous() and lse.dtype == torch.float32)
-    if _use_gluon(cfg.forward, "forward", q, tiles, prev_ok):
+    if _use_gluon(cfg.forward, "forward", q, tiles, prev_ok, softcap):
         from mtraining_kernels.gluon_hopper import gluon_block_forward
 
         return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse, k_stages=cfg.k_stages,
@@ -816,11 +855,11 @@ def block_forward(
     sub_n = min(BN, cfg.sub_n)
     _LAUNCH_FWD(
         _query_grid(B * H, Sq, BM, rows),
-        (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, Sq, Sk, H, H // Hkv, J,
+        (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, _cap2(softcap), Sq, Sk, H, H // Hkv, J,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *fstr, *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
              HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-             num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages),
+             SOFTCAP=softcap is not None, num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages),
     )
     return out, lse
 
@@ -841,13 +880,14 @@ def block_backward(
     config: KernelConfig | None = None,
     grad_dtype: torch.dtype | None = None,
     cache: dict | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's pairs, given the FINAL ``out`` and ``lse`` (flash-attention backward).
 
     ``grad_dtype``: dtype of the returned (dq, dk, dv); None gives float32 (what a ring accumulates across steps).
     The kernels accumulate in float32 and write dq (and dk/dv when there are no gathered columns) in that dtype
     directly; gathered-column partials are added to float32 dk/dv first, then cast. ``cache``: the dict given to
-    :func:`block_forward` of the same call, if any.
+    :func:`block_forward` of the same call, if any. ``softcap``: as the forward's (the same value).
 
     Deterministic (bit-identical across runs): every element is written by one program, plus (gathered columns
     only) a fixed-order sum over query-range parts and one epilogue program per block of key rows that adds the
@@ -864,9 +904,10 @@ def block_backward(
         raise ValueError(f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)} do not match q "
                          f"{tuple(q.shape)}")
     gdt = grad_dtype or torch.float32
-    gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True)  # (an error for dq='gluon' here, before any launch)
-    gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True)
-    gluon_cols = tiles.col_idx is not None and _use_gluon(cfg.dkdv_cols, "dkdv_cols", q, tiles, True)
+    gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True, softcap)  # (an error for dq='gluon' here, before any launch)
+    gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True, softcap)
+    gluon_cols = tiles.col_idx is not None and _use_gluon(cfg.dkdv_cols, "dkdv_cols", q, tiles, True, softcap)
+    cap2, capped = _cap2(softcap), softcap is not None
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _LAUNCH_PRE((triton.cdiv(Sq, 64), B * H),
@@ -890,10 +931,10 @@ def block_backward(
         dq = torch.empty(B, H, Sq, D, dtype=gdt, device=q.device)
         _LAUNCH_DQ(
             _query_grid(B * H, Sq, BM, rows),
-            (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, scale, Sq, Sk, H, G, J,
+            (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, cap2, scale, Sq, Sk, H, G, J,
              *strides, *fstr, *cstr),
             dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-                 BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+                 BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first, SOFTCAP=capped,
                  num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D), num_stages=cfg.bwd_stages),
         )
     if gluon_dkdv:
@@ -905,9 +946,9 @@ def block_backward(
         (bi, bc, bn), bstr = _list_args(tiles, "bwd")
         _LAUNCH_DKDV(
             (triton.cdiv(Sk, BN), B * Hkv),
-            (q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv, G,
-             *strides, *bstr),
-            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m,
+            (q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn, scale * LOG2E, cap2, scale, Sq, Sk, H, Hkv,
+             G, *strides, *bstr),
+            dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m, SOFTCAP=capped,
                  num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages),
         )
     if J > 0:
@@ -925,8 +966,8 @@ def block_backward(
             _LAUNCH_COLS(
                 (triton.cdiv(NC, cfg.col_block), B * H, P),
                 (q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb, scale * LOG2E,
-                 scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr),
-                dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m,
+                 cap2, scale, Sq, Sk, H, G, Mq, NC, P, B * H, *strides, *cstr),
+                dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m, SOFTCAP=capped,
                      num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
             )
         # the parts summed in a fixed order (torch: parallel over the slots; a first version summed them inside the
@@ -958,12 +999,13 @@ def _attention_range():
 
 class _VerticalSlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale, config):
+    def forward(ctx, q, k, v, q_pos, k_pos, tiles, scale, config, softcap):
         # positions as the kernels take them, once for both passes; ``cache`` carries what the backward reuses
         q_pos, k_pos = (p.to(device=q.device, dtype=torch.int32).contiguous() for p in (q_pos, k_pos))
         cache: dict = {}
         with _attention_range():
-            out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache)
+            out, lse = block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, config=config, cache=cache,
+                                     softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
         # The forward's cache is not kept for the backward: its TMA descriptors hold views of q, k and v (and it
         # holds the gathered columns), and a node's attributes live until its backward. Under activation
@@ -973,7 +1015,7 @@ class _VerticalSlashAttention(torch.autograd.Function):
         # Trainer path at 64K (benchmarks/RESULTS.md "Training throughput", before this change; its effect is not
         # yet measured). The recomputed tensors have other addresses, so the descriptors would not be reused
         # anyway; the backward rebuilds them (host microseconds) and gathers the columns again (one small kernel).
-        ctx.tiles, ctx.scale, ctx.config, ctx.cache = tiles, scale, config, {}
+        ctx.tiles, ctx.scale, ctx.config, ctx.cache, ctx.softcap = tiles, scale, config, {}, softcap
         return out
 
     @staticmethod
@@ -981,9 +1023,9 @@ class _VerticalSlashAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
         with _attention_range():
             dq, dk, dv = block_backward(q, k, v, out, lse, dout, q_pos, k_pos, ctx.scale, tiles=ctx.tiles,
-                                        config=ctx.config, grad_dtype=q.dtype, cache=ctx.cache)
+                                        config=ctx.config, grad_dtype=q.dtype, cache=ctx.cache, softcap=ctx.softcap)
         ctx.cache = None  # the gathered columns are not needed any more
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def vertical_slash_attention(
@@ -995,10 +1037,12 @@ def vertical_slash_attention(
     k_pos: torch.Tensor | None = None,
     scale: float | None = None,
     config: KernelConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable attention over ``tiles`` (positions default to 0..S-1); returns [B, H, Sq, D].
 
-    ``config``: launch settings and the dq mode (:class:`KernelConfig`; None: :data:`DEFAULT_CONFIG`)."""
+    ``config``: launch settings and the dq mode (:class:`KernelConfig`; None: :data:`DEFAULT_CONFIG`). ``softcap``:
+    scores ``softcap * tanh(s / softcap)`` (Triton kernels; see :func:`block_forward`)."""
     if q_pos is None and k_pos is None and q.shape[2] == k.shape[2]:
         q_pos = k_pos = torch.arange(q.shape[2], device=q.device, dtype=torch.int32)
     if q_pos is None:
@@ -1006,7 +1050,7 @@ def vertical_slash_attention(
     if k_pos is None:
         k_pos = torch.arange(k.shape[2], device=q.device, dtype=torch.int32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale, config)
+    return _VerticalSlashAttention.apply(q, k, v, q_pos, k_pos, tiles, scale, config, softcap)
 
 
 class TritonBlockOp:
@@ -1019,23 +1063,24 @@ class TritonBlockOp:
     """
 
     supports_tiles = True
+    supports_softcap = True  # ``softcap=`` on forward / backward / differentiable (the Triton kernels apply it)
 
     def __init__(self, block_m: int = 64, block_n: int = 64, config: KernelConfig | None = None) -> None:
         self.block_m, self.block_n, self.config = block_m, block_n, config
 
-    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None):
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, softcap=None):
         return block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m, block_n=self.block_n,
-                             config=self.config)
+                             config=self.config, softcap=softcap)
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None, softcap=None):
         return block_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m,
-                              block_n=self.block_n, config=self.config)
+                              block_n=self.block_n, config=self.config, softcap=softcap)
 
-    def differentiable(self, q, k, v, q_pos, k_pos, scale, tiles=None):
+    def differentiable(self, q, k, v, q_pos, k_pos, scale, tiles=None, softcap=None):
         """The block's output with its own autograd (a ring of one step needs no merge)."""
         if tiles is None:
             tiles = dense_tile_lists(q_pos.to(q.device), k_pos.to(q.device), self.block_m, self.block_n)
-        return vertical_slash_attention(q, k, v, tiles, q_pos, k_pos, scale, config=self.config)
+        return vertical_slash_attention(q, k, v, tiles, q_pos, k_pos, scale, config=self.config, softcap=softcap)
 
     def __repr__(self) -> str:
         return f"TritonBlockOp(block_m={self.block_m}, block_n={self.block_n})"

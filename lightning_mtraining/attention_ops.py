@@ -25,7 +25,9 @@ name (intersected with ``k_pos <= q_pos``), the same pairs as the Triton kernels
 Attention variants are keywords of both methods, declared by ``supports_window`` / ``supports_softcap``:
 ``window=`` (a sliding-window layer: pair allowed iff ``q_pos - window < k_pos <= q_pos``, token-exact) and
 ``softcap=`` (scores ``softcap * tanh(s / softcap)`` before masking). :class:`TorchBlockOp` and :class:`FlexBlockOp`
-take both (the torch op's soft-capped chunks take its plain path: ATen's CPU flash kernels have no cap).
+take both (the torch op's soft-capped chunks take its plain path: ATen's CPU flash kernels have no cap); the
+Triton kernels' op (``mtraining_kernels.vertical_slash.TritonBlockOp``) takes ``softcap=`` only (a window layer
+runs dense).
 
 Ops:
 

@@ -600,8 +600,8 @@ def ring_attention(
             ignores ``sparsity``: its band is already its sparse pattern, computed exactly.
         softcap: scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's
             ``attn_logit_softcapping``). Sparse: the pattern is estimated from uncapped scores (the cap is
-            monotonic, so each row's ranking of keys is the same), the attention over it is capped; the Triton
-            kernels have no cap, so on CUDA a soft-capped layer must run dense (a clear error says so).
+            monotonic, so each row's ranking of keys is the same), the attention over it is capped (the Triton
+            kernels apply the cap on CUDA; their Gluon variants do not, so a capped layer runs the Triton ones).
 
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.

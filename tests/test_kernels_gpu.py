@@ -36,6 +36,13 @@ def test_bf16_matches_fp32_reference(S, D, block):
     _check_half(S, D, block)
 
 
+@pytest.mark.parametrize("softcap", [None, 20.0, 2.0])
+def test_softcap_bf16_matches_fp32_reference(softcap):
+    """Gemma 2's attention soft-cap (50.0 there; 20 and 2 here bend more of these scores) in the Triton kernels on
+    the GPU ("auto" leaves the Gluon ones, which have no cap): the half-precision rule, 128 x 128 tiles, ragged."""
+    _check_half(8191, 128, 128, softcap=softcap, q_gain=4.0)
+
+
 def _config(spec):
     from mtraining_kernels.vertical_slash import KernelConfig
 
@@ -188,7 +195,7 @@ def test_fp16_matches_fp32_reference(S, D, block, spec):
     _check_half(S, D, block, _config(spec) if spec else None, dtype=torch.float16)
 
 
-def _check_half(S, D, block, config=None, dtype=torch.bfloat16):
+def _check_half(S, D, block, config=None, dtype=torch.bfloat16, softcap=None, q_gain=1.0):
     """One fwd+bwd held to the rule of the module docstring; returns the max abs errors of (out, dq, dk, dv)
     against float32 for the kernel and for torch at ``dtype`` (``benchmarks/kernel_precision.py`` prints them)."""
     from lightning_mtraining.sparse import sparse_attention
@@ -199,30 +206,33 @@ def _check_half(S, D, block, config=None, dtype=torch.bfloat16):
     torch.manual_seed(0)
     B, H, Hkv = 1, 16, 2
     q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=dtype) for h in (H, Hkv, Hkv, H))
+    q = q * q_gain
     vi, si = _pattern(B, Hkv, S, 300, [0, 1, 64, 100, 1000, 3333], seed=S)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     vih, sih = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
     bm, bn = (block, block) if isinstance(block, int) else block
-    if config is None:
+    if config is None and softcap is None:
         out = sparse_attention(qg, kg, vg, vi, si, block_size=block)
     else:
-        out = vertical_slash_attention(qg, kg, vg, pattern_tile_lists(vih, sih, S, bm, bn), config=config)
+        out = vertical_slash_attention(qg, kg, vg, pattern_tile_lists(vih, sih, S, bm, bn), config=config,
+                                       softcap=softcap)
     out.backward(dout)
 
     def mask_rows(r0, r1):
         return vertical_slash_mask(vih, sih, S, bm, rows=(r0, r1), block_n=bn)
 
-    return _assert_half_rule((out, qg.grad, kg.grad, vg.grad), q, k, v, dout, mask_rows, D**-0.5, dtype)
+    return _assert_half_rule((out, qg.grad, kg.grad, vg.grad), q, k, v, dout, mask_rows, D**-0.5, dtype,
+                             softcap=softcap)
 
 
-def _assert_half_rule(got, q, k, v, dout, mask_rows, scale, dtype, what="kernel"):
+def _assert_half_rule(got, q, k, v, dout, mask_rows, scale, dtype, what="kernel", softcap=None):
     """The rule of the module docstring for ``got = (out, dq, dk, dv)`` computed from ``q, k, v, dout`` (in
     ``dtype``) over the pairs ``mask_rows(r0, r1)``; returns the max abs errors against float32 of ``got`` and of
     torch at ``dtype``."""
     from mtraining_kernels.reference import attention_chunked_ref
 
-    ref = attention_chunked_ref(q, k, v, dout, mask_rows, scale, torch.float32)
-    same = attention_chunked_ref(q, k, v, dout, mask_rows, scale, dtype)
+    ref = attention_chunked_ref(q, k, v, dout, mask_rows, scale, torch.float32, softcap=softcap)
+    same = attention_chunked_ref(q, k, v, dout, mask_rows, scale, dtype, softcap=softcap)
     names = ("out", "dq", "dk", "dv")
     ref4, same4 = (ref[0], *ref[2:]), (same[0], *same[2:])
     err = _errors(got, ref4)

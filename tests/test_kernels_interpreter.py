@@ -36,6 +36,7 @@ CHECKS = [
     "triton_list_builder_matches_torch",
     "gluon_auto_falls_back_to_triton",
     "gather_columns_kernel_matches_torch",
+    "softcap_pattern_columns_and_merge",
 ]
 
 
@@ -79,9 +80,9 @@ def _run_checks() -> dict[str, str]:
     from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block_forward
 
 
-    def ref_grads(q, k, v, mask, scale, dout):
+    def ref_grads(q, k, v, mask, scale, dout, softcap=None):
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        out, lse = attention_ref(qd, kd, vd, mask, scale)
+        out, lse = attention_ref(qd, kd, vd, mask, scale, softcap)
         out.backward(dout.double())
         return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
 
@@ -94,8 +95,8 @@ def _run_checks() -> dict[str, str]:
             raise AssertionError(f"{name}: max abs err {err:.3e} > {atol:.1e} (+{rtol} rel)")
 
     def check_pattern(B, H, Hkv, S, D, T, vi, si, dtype=torch.float32, atol=1e-5, TN=None, config=None,
-                      backend="torch"):
-        q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+                      backend="torch", softcap=None, q_gain=1.0):
+        q, k, v = torch.randn(B, H, S, D) * q_gain, torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
         dout = torch.randn(B, H, S, D)
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         vi_h, si_h = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
@@ -104,13 +105,14 @@ def _run_checks() -> dict[str, str]:
         mask = vertical_slash_mask(vi_h, si_h, S, T, block_n=TN)
         assert torch.equal(mask, tile_lists_mask(tiles, pos, pos)), "lists != definition"
         scale = D**-0.5
-        out, lse = block_forward(q, k, v, pos, pos, scale, tiles=tiles, config=config)
-        r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, k, v, mask, scale, dout)
+        out, lse = block_forward(q, k, v, pos, pos, scale, tiles=tiles, config=config, softcap=softcap)
+        r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, k, v, mask, scale, dout, softcap)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(r_lse)), "rows without keys differ"
         fin = torch.isfinite(r_lse)
         close("lse", lse[fin], r_lse[fin], atol)
         close("out", out, r_out, atol)
-        dq, dk, dv = block_backward(q, k, v, out, lse, dout, pos, pos, scale, tiles=tiles, config=config)
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, pos, pos, scale, tiles=tiles, config=config,
+                                    softcap=softcap)
         for n, g, r in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
             close(n, g, r, atol)
         return q, k, v, dout, mask, tiles, (out, lse, dq, dk, dv)
@@ -254,21 +256,24 @@ def _run_checks() -> dict[str, str]:
         k, v = torch.randn(B, Hkv, len(k_pos), D), torch.randn(B, Hkv, len(k_pos), D)
         dout = torch.randn_like(q)
         tri, ref = TritonBlockOp(16, 16), TorchBlockOp()
-        (o1, l1), (o2, l2) = tri.forward(q, k, v, q_pos, k_pos, 0.2), ref.forward(q, k, v, q_pos, k_pos, 0.2)
-        assert o1.dtype == o2.dtype and l1.dtype == l2.dtype == torch.float32
-        close("op out", o1, o2, 1e-5)
-        close("op lse", l1, l2, 1e-5)
-        g1 = tri.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2)
-        g2 = ref.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2)
-        for n, a, b in zip(("dq", "dk", "dv"), g1, g2):
-            assert a.dtype == b.dtype == torch.float32, n
-            close(f"op {n}", a, b, 1e-5)
-        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-        o3 = tri.differentiable(qg, kg, vg, q_pos, k_pos, 0.2)
-        o3.backward(dout)
-        close("differentiable out", o3.detach(), o2, 1e-5)
-        for n, a, b in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), g2):
-            close(f"differentiable {n}", a, b, 1e-5)
+        assert tri.supports_softcap and not getattr(tri, "supports_window", False)
+        for kw in ({}, {"softcap": 1.5}):  # the protocol's softcap= keyword (scores ~ N(0, 2.6): capped hard)
+            (o1, l1), (o2, l2) = tri.forward(q, k, v, q_pos, k_pos, 0.2, **kw), ref.forward(q, k, v, q_pos, k_pos,
+                                                                                             0.2, **kw)
+            assert o1.dtype == o2.dtype and l1.dtype == l2.dtype == torch.float32
+            close(f"op out {kw}", o1, o2, 1e-5)
+            close(f"op lse {kw}", l1, l2, 1e-5)
+            g1 = tri.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2, **kw)
+            g2 = ref.backward(q, k, v, o2, l2, dout, q_pos, k_pos, 0.2, **kw)
+            for n, a, b in zip(("dq", "dk", "dv"), g1, g2):
+                assert a.dtype == b.dtype == torch.float32, n
+                close(f"op {n} {kw}", a, b, 1e-5)
+            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+            o3 = tri.differentiable(qg, kg, vg, q_pos, k_pos, 0.2, **kw)
+            o3.backward(dout)
+            close(f"differentiable out {kw}", o3.detach(), o2, 1e-5)
+            for n, a, b in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), g2):
+                close(f"differentiable {n} {kw}", a, b, 1e-5)
 
     def rectangular_tiles_and_dkdv_subtiles():
         # 32 x 16 and 64 x 16 tiles (block_m = r * block_n), the dk/dv kernels walking query tiles in 16-row steps
@@ -362,6 +367,48 @@ def _run_checks() -> dict[str, str]:
             want = gather_columns(k, v, k_pos, tiles, H, use_kernel=False)
             for n, a, b in zip(("kc", "vc", "cpos", "steps"), got, want):
                 assert a.shape == b.shape and torch.equal(a, b), f"B={B} H={H}/{Hkv} S={S} nv={nv}: {n} differs"
+
+    def softcap_pattern_columns_and_merge():
+        # Gemma 2-style soft-cap in every kernel: scores ~ N(0, 9) (q x 3) against caps of 2 and 5, so most scores
+        # are bent by the tanh; tiles, gathered columns (with a split column dk/dv), 16-row sub-steps, and two
+        # blocks merged by lse, all against a float64 reference with the same cap; 1e-5 as for uncapped float32
+        B, H, Hkv, S, D = 1, 4, 2, 150, 16
+        vi = torch.randint(-1, S, (B, H, 12))
+        si = torch.tensor([[[0, 17, -1], [5, 40, 100], [-1, -1, -1], [33, 0, 1]]])
+        for cap in (2.0, 5.0):
+            check_pattern(B, H, Hkv, S, D, 16, vi, si, softcap=cap, q_gain=3.0)
+            check_pattern(B, H, Hkv, S, D, 32, vi, si, TN=16, softcap=cap, q_gain=3.0,
+                          config=KernelConfig(sub_m=16, col_split=3))
+        q_pos = torch.arange(0, 90, 2)
+        k1, k2 = torch.arange(1, 90, 2), torch.arange(0, 90, 2)  # odd and even keys: two ring blocks
+        q = torch.randn(1, 2, len(q_pos), 16) * 3
+        kk = [torch.randn(1, 1, len(p), 16) for p in (k1, k2)]
+        vv = [torch.randn(1, 1, len(p), 16) for p in (k1, k2)]
+        dout = torch.randn_like(q)
+        t1, t2 = dense_tile_lists(q_pos, k1, 16, 16), dense_tile_lists(q_pos, k2, 16, 16)
+        out, lse = block_forward(q, kk[0], vv[0], q_pos, k1, 0.25, tiles=t1, softcap=3.0)
+        out, lse = block_forward(q, kk[1], vv[1], q_pos, k2, 0.25, tiles=t2, out=out, lse=lse, softcap=3.0)
+        kp = torch.cat([k1, k2])
+        r_out, r_lse, r_dq, r_dk, r_dv = ref_grads(q, torch.cat(kk, 2), torch.cat(vv, 2),
+                                                   kp[None, :] <= q_pos[:, None], 0.25, dout, 3.0)
+        close("capped merged out", out, r_out, 1e-5)
+        close("capped merged lse", lse, r_lse, 1e-5)
+        g1 = block_backward(q, kk[0], vv[0], out, lse, dout, q_pos, k1, 0.25, tiles=t1, softcap=3.0)
+        g2 = block_backward(q, kk[1], vv[1], out, lse, dout, q_pos, k2, 0.25, tiles=t2, softcap=3.0)
+        close("capped dq", g1[0] + g2[0], r_dq, 1e-5)
+        close("capped dk", torch.cat([g1[1], g2[1]], 2), r_dk, 1e-5)
+        close("capped dv", torch.cat([g1[2], g2[2]], 2), r_dv, 1e-5)
+        # the cap changes the result (the check above would not notice a kernel that ignored it otherwise)
+        plain, _ = block_forward(q, kk[0], vv[0], q_pos, k1, 0.25, tiles=t1)
+        capped, _ = block_forward(q, kk[0], vv[0], q_pos, k1, 0.25, tiles=t1, softcap=3.0)
+        assert (plain - capped).abs().max() > 1e-2, "softcap=3 on N(0, 9)-scale scores must change the output"
+        for bad in (0.0, -1.0, True):
+            try:
+                block_forward(q, kk[0], vv[0], q_pos, k1, 0.25, tiles=t1, softcap=bad)
+            except ValueError as e:
+                assert "softcap must be a positive float" in str(e)
+            else:
+                raise AssertionError(f"softcap={bad!r} was accepted")
 
     results = {}
     only = os.environ.get("MT_CHECKS")  # comma-separated subset, for a quick local run
