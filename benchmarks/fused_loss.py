@@ -16,10 +16,13 @@ Methods (rows):
 
 - ``plain``: ``F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")``, the computation of Hugging Face's
   causal-LM loss (bf16 logits, upcast to float32);
-- ``ours``: ``fused_linear_cross_entropy(h, w, t)`` (``--chunk-size``, default: the function's own);
+- ``ours``: ``fused_linear_cross_entropy(h, w, t, backend="torch")`` (``--chunk-size``, default: the function's
+  own); ``auto``: the function's default backend (Liger-Kernel with float32 accumulation and
+  ``losses.LIGER_CHUNK_MEM`` where installed, else ``ours``);
 - ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, t)`` (weight first), its
   default ``accum_dtype=None`` (the weight gradient summed over chunks in bf16); ``liger-fp32acc``: the same with
-  ``accum_dtype=torch.float32`` (summed in float32, as ``ours`` does);
+  ``accum_dtype=torch.float32`` (summed in float32, as ``ours`` does); ``liger-fp32acc-cN``: that through
+  ``losses._liger_loss`` with Liger's ``chunk_mem_const=N`` (rows per chunk ~ T * N * 2048 / V; the default is 1);
 - ``cce``: cut-cross-entropy's ``linear_cross_entropy(h, w, t, reduction="sum")`` with its defaults (the CCE Triton
   kernels; ``filter_eps="high"`` skips gradient entries whose softmax is below a bf16-level threshold).
 
@@ -57,7 +60,8 @@ from _timing import median_ms, write_results  # noqa: E402
 
 IGNORE_INDEX = -100
 REF_BLOCK = 2048  # rows per block of the float32 reference
-METHODS = ("plain", "ours", "liger", "liger-fp32acc", "cce")
+METHODS = ("plain", "ours", "auto", "liger", "liger-fp32acc", "liger-fp32acc-c1", "liger-fp32acc-c4",
+           "liger-fp32acc-c8", "liger-fp32acc-c16", "cce")
 
 
 def make_inputs(T: int, Dm: int, V: int, device: torch.device, dtype: torch.dtype, seed: int):
@@ -91,7 +95,17 @@ def method_fn(name: str, chunk_size: int | None) -> Callable:
     if name == "plain":
         return lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, reduction="sum", ignore_index=IGNORE_INDEX)
     if name == "ours":
-        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_size=chunk_size, ignore_index=IGNORE_INDEX)
+        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_size=chunk_size, ignore_index=IGNORE_INDEX,
+                                                          backend="torch")
+    if name == "auto":
+        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+    if name.startswith("liger-fp32acc-c"):
+        from lightning_mtraining.losses import _liger_function, _liger_loss
+
+        if isinstance(_liger_function(), str):
+            raise ImportError(_liger_function())
+        const = int(name.removeprefix("liger-fp32acc-c"))
+        return lambda h, w, t: _liger_loss(h, w, None, t, None, IGNORE_INDEX, chunk_mem_const=const)
     if name in ("liger", "liger-fp32acc"):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

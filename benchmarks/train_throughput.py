@@ -14,11 +14,16 @@ random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``
 - ``sdpa``: ``strategy="auto"``, ``attn_implementation="sdpa"``: the anchor.
 - ``ddp1``: ``strategy="ddp"`` on one device, SDPA: what Lightning's DDP wrapper alone costs.
 - ``flex``: ``strategy="auto"``, ``attn_implementation="flex_attention"``.
-- ``mtraining_dense``: ``MTrainingStrategy(sparsity=None)`` (the model keeps SDPA at W = 1; fused loss on).
+- ``mtraining_dense``: ``MTrainingStrategy(sparsity=None)`` (the model keeps SDPA at W = 1; fused loss on, its
+  default backend: Liger-Kernel where installed).
+- ``mtraining_dense_torch_loss``: the same with ``fused_loss="torch"`` (the dependency-free fused loss).
 - ``mtraining_dense_plain_loss``: the same with ``fused_loss=False``.
 - ``sparse_topp``: ``MTrainingStrategy(sparsity=PAPER_SPARSITY)`` (top-p 0.9, caps 4096/4096, pattern estimated
   online per layer and forward, Triton/Gluon kernels).
-- ``sparse_topk``: ``SparsityConfig(vertical_topk=1024, slash_topk=1024)``.
+- ``sparse_topk``: ``SparsityConfig(vertical_topk=V, slash_topk=S)``, ``--topk V S`` (default 1024 1024). On
+  random weights the estimator's choice is close to arbitrary, so the budget, not the model, sets the density:
+  S slashes cover at most about 2 S of the N / 128 tile diagonals, V verticals V of the keys (the density is
+  printed); a small S is the fixed-density mode for what the kernels give a step at a trained model's sparsity.
 
 Each variant runs in its own process (a fresh CUDA allocator), its sequence lengths in increasing order, each with
 ``--warmup`` untimed and ``--steps`` timed optimizer steps (synchronised wall time per step). Reported: step time
@@ -49,7 +54,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_plain_loss", "sparse_topp", "sparse_topk")
+VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_torch_loss", "mtraining_dense_plain_loss",
+            "sparse_topp", "sparse_topk")
 QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)
 SPLIT = ("attention", "estimation", "lists", "rest")
@@ -193,14 +199,16 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
         if variant in ("sdpa", "flex"):
             return "auto"
         sparsity = {"sparse_topp": PAPER_SPARSITY,
-                    "sparse_topk": SparsityConfig(vertical_topk=1024, slash_topk=1024)}.get(variant)
-        return MTrainingStrategy(sparsity=sparsity, fused_loss=variant != "mtraining_dense_plain_loss",
+                    "sparse_topk": SparsityConfig(vertical_topk=args.topk[0], slash_topk=args.topk[1])}.get(variant)
+        fused = {"mtraining_dense_plain_loss": False, "mtraining_dense_torch_loss": "torch"}.get(variant, True)
+        return MTrainingStrategy(sparsity=sparsity, fused_loss=fused,
                                  offload_activations=args.offload)
 
     extra = 1 if args.split else 0  # the profiled step
     rows, failed = [], False
     for n in seqlens:
-        row = {"variant": variant, "N": n}
+        row = {"variant": f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant,
+               "N": n}
         if failed:
             row["status"] = "skipped (a shorter length failed)"
             rows.append(row)
@@ -295,6 +303,8 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="PNG path for tokens/s against length")
     ap.add_argument("--offload", action="store_true",
                     help="mtraining variants: offload_activations=True (checkpointed layer inputs in pinned host memory)")
+    ap.add_argument("--topk", type=int, nargs=2, default=[1024, 1024], metavar=("V", "S"),
+                    help="sparse_topk: vertical and slash budget per head")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--out", default="train_throughput.json")
@@ -326,6 +336,7 @@ def main() -> None:
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--split" if args.split else "--no-split"]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--offload"] if args.offload else []
+        cmd += ["--topk", *map(str, args.topk)]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         found = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]

@@ -113,7 +113,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         loss_check: Literal["raise", "warn", "off"] = "raise",
-        fused_loss: bool = True,
+        fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:

@@ -484,7 +484,12 @@ class FusedLoss:
     ``predict``) are untouched and return logits as usual.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, backend: str = "auto") -> None:
+        from lightning_mtraining.losses import FUSED_LOSS_BACKENDS
+
+        if backend not in FUSED_LOSS_BACKENDS:
+            raise ValueError(f"FusedLoss: backend must be one of {FUSED_LOSS_BACKENDS}, got {backend!r}")
+        self.backend = backend
         model_type = getattr(model.config, "model_type", None)
         if model_type not in FUSED_LOSS_MODEL_TYPES:
             raise ValueError(f"no fused loss for model_type {model_type!r} (fused: {sorted(FUSED_LOSS_MODEL_TYPES)})")
@@ -568,7 +573,8 @@ class FusedLoss:
 
         targets = pending["targets"].to(hidden.device)
         total = fused_linear_cross_entropy(
-            hidden, self.head.weight, targets, self.head.bias, logit_scale=self.logit_scale, softcap=self.softcap
+            hidden, self.head.weight, targets, self.head.bias, logit_scale=self.logit_scale, softcap=self.softcap,
+            backend=self.backend,
         )
         num_items = pending["num_items"]
         if num_items is None:  # Hugging Face's mean over the targets
@@ -617,14 +623,14 @@ def _lazy_logits(output: Any, make: Callable[[], torch.Tensor]) -> Any:
     return output
 
 
-def prepare_fused_loss(model: nn.Module) -> FusedLoss | None:
+def prepare_fused_loss(model: nn.Module, backend: str = "auto") -> FusedLoss | None:
     """Install :class:`FusedLoss` on ``model`` if its type is in ``FUSED_LOSS_MODEL_TYPES`` (else None: the model
-    keeps its plain loss)."""
+    keeps its plain loss); ``backend`` as :func:`~lightning_mtraining.losses.fused_linear_cross_entropy`'s."""
     if getattr(model.config, "model_type", None) not in FUSED_LOSS_MODEL_TYPES:
         return None
     if not isinstance(model.get_output_embeddings(), nn.Linear):
         return None
-    return FusedLoss(model)
+    return FusedLoss(model, backend)
 
 
 def prepare_model(

@@ -87,7 +87,7 @@ class ContextParallel:
         *,
         layer_sparsity: Callable[[int], Any],
         schedule_options: dict[str, Any] | None = None,
-        fused_loss: bool = True,
+        fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         owner: str = "apply_context_parallel",
     ) -> None:
@@ -122,7 +122,8 @@ class ContextParallel:
             plan.schedule = self.schedule
             self.prepared = [prepare_model(m, plan, layer_sparsity) for m in models]
         if fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
-            self.fused = [f for f in map(prepare_fused_loss, models) if f is not None]
+            backend = "auto" if fused_loss is True else fused_loss
+            self.fused = [f for f in (prepare_fused_loss(m, backend) for m in models) if f is not None]
 
     def shard(self, batch: Any) -> Any:
         """Pad and shard ``batch`` (on this rank's device) for this rank, and record it for the model hooks.
@@ -162,7 +163,7 @@ def apply_context_parallel(
     layout: str = "striped",
     block_size: int = 128,
     sparsity: SparsityConfig | Callable[[int], SparsityConfig | None] | None = None,
-    fused_loss: bool = True,
+    fused_loss: bool | str = True,
     activation_checkpointing: bool = False,
 ) -> ContextParallel:
     """Switch the Hugging Face causal LMs inside ``model`` to context parallelism over ``mesh[cp_dim]``.

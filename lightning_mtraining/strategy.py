@@ -69,7 +69,7 @@ from lightning_mtraining.hf import (
     validate_model,
 )
 from lightning_mtraining.layouts import LAYOUTS
-from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
+from lightning_mtraining.losses import FUSED_LOSS_BACKENDS, is_marked_loss, unmarked_loss_message
 from lightning_mtraining.parallel import ContextParallel, check_sparsity_args, restore_batch_type  # noqa: F401
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
@@ -221,14 +221,17 @@ class ContextParallelMixin:
         block_size: int,
         sparsity: SparsityConfig | None,
         loss_check: str = "raise",
-        fused_loss: bool = True,
+        fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
         check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [sparsity], layout, block_size)
-        for name, value in (("fused_loss", fused_loss), ("activation_checkpointing", activation_checkpointing)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{type(self).__name__}({name}=...) must be True or False, got {value!r}")
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"{type(self).__name__}(activation_checkpointing=...) must be True or False, got "
+                            f"{activation_checkpointing!r}")
+        if not isinstance(fused_loss, bool) and fused_loss not in FUSED_LOSS_BACKENDS:
+            raise TypeError(f"{type(self).__name__}(fused_loss=...) must be True, False or a backend name "
+                            f"{FUSED_LOSS_BACKENDS}, got {fused_loss!r}")
         self.fused_loss = fused_loss
         self.activation_checkpointing = activation_checkpointing
         self._fused: list[FusedLoss] = []
@@ -562,7 +565,10 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         fused_loss: a model called with labels computes its loss from the hidden states a chunk of rows at a
             time and never materialises the ``[B, L, vocab]`` logits unless the step reads ``out.logits``;
             for the model types in :data:`~lightning_mtraining.hf.FUSED_LOSS_MODEL_TYPES`, others keep the plain
-            loss. See Note [Fused loss] in :mod:`lightning_mtraining.hf`. ``False``: the model's own loss.
+            loss. See Note [Fused loss] in :mod:`lightning_mtraining.hf`. ``False``: the model's own loss. A
+            backend name picks the implementation: ``"auto"`` (what ``True`` means: Liger-Kernel on CUDA where it
+            is installed and applies, else the torch one), ``"torch"`` or ``"liger"`` (see
+            :func:`~lightning_mtraining.losses.fused_linear_cross_entropy`).
         activation_checkpointing: recompute each decoder layer in backward (Hugging Face
             ``gradient_checkpointing_enable``, non-reentrant): activations kept per layer are its input only.
         offload_activations: keep the tensors saved for backward during ``training_step`` in pinned host memory
@@ -590,7 +596,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
-        fused_loss: bool = True,
+        fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
         **kwargs: Any,

@@ -64,7 +64,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         sparsity: SparsityConfig | None = None,
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
-        fused_loss: bool = True,
+        fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
         reshard_after_forward: bool = True,

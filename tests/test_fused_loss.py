@@ -128,25 +128,73 @@ def test_bad_inputs_say_what_is_wrong(kwargs, match):
         fused_linear_cross_entropy(**kwargs)
 
 
+def _liger_installed() -> bool:
+    from lightning_mtraining.losses import _liger_function
+
+    return not isinstance(_liger_function(), str)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_qwen_vocabulary():
-    """Real sizes on the GPU: 4096 rows, Qwen2's 151936-token vocabulary, bf16, against float32 on the GPU."""
+@pytest.mark.parametrize("backend,softcap,use_bias", [("torch", None, False), ("auto", None, False),
+                                                       ("liger", None, False), ("liger", 30.0, True)])
+def test_gpu_bf16_qwen_vocabulary(backend, softcap, use_bias):
+    """Real sizes on the GPU: 4096 rows, Qwen2's 151936-token vocabulary, bf16, against float32 on the GPU; each
+    backend ("auto" is Liger-Kernel where installed, else the torch path), with a soft-cap and a bias for Liger."""
+    if backend == "liger" and not _liger_installed():
+        pytest.skip("liger_kernel is not installed")
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(4096, 512, device="cuda", generator=g)
     w = torch.randn(151936, 512, device="cuda", generator=g) * 0.05
+    b = torch.randn(151936, device="cuda", generator=g) * 0.1 if use_bias else None
     t = torch.randint(0, 151936, (4096,), device="cuda", generator=g)
     t[::7] = -100
-    h32, w32 = leaves(h, w)
-    ref = plain(h32, w32, t)
+    h32, w32, b32 = leaves(h, w, b)
+    ref = plain(h32, w32, t, b32, softcap=softcap)
     ref.backward()
-    hb, wb = leaves(h.bfloat16(), w.bfloat16())
-    got = fused_linear_cross_entropy(hb, wb, t)
+    hb, wb, bb = leaves(h.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
+    got = fused_linear_cross_entropy(hb, wb, t, bb, softcap=softcap, backend=backend)
     got.backward()
     # the bf16 rule of the CPU test above
-    torch.testing.assert_close(got, ref, rtol=1e-2, atol=0)
+    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=0)
     assert (hb.grad.float() - h32.grad).abs().max() < 0.04 * h32.grad.abs().max()
     assert (wb.grad.float() - w32.grad).abs().max() < 0.04 * w32.grad.abs().max()
+    if use_bias:
+        assert (bb.grad.float() - b32.grad).abs().max() < 0.04 * b32.grad.abs().max()
+
+
+def test_backend_auto_on_cpu_is_the_torch_path_and_bad_backends_are_refused():
+    """"auto" on CPU computes exactly what "torch" does (Liger-Kernel needs CUDA); "liger" says why it cannot run;
+    an unknown backend names the known ones."""
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(40, 8, generator=g), torch.randn(37, 8, generator=g)
+    t = torch.randint(0, 37, (40,), generator=g)
+    ha, wa = leaves(h, w)
+    ht, wt = leaves(h, w)
+    auto = fused_linear_cross_entropy(ha, wa, t)
+    torch_path = fused_linear_cross_entropy(ht, wt, t, backend="torch")
+    auto.backward()
+    torch_path.backward()
+    assert torch.equal(auto, torch_path) and torch.equal(ha.grad, ht.grad) and torch.equal(wa.grad, wt.grad)
+    with pytest.raises(ValueError, match=r"backend='liger'\): the inputs are on cpu, Liger-Kernel's kernels need CUDA"):
+        fused_linear_cross_entropy(h.requires_grad_(), w, t, backend="liger")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'liger'\), got 'cce'"):
+        fused_linear_cross_entropy(h, w, t, backend="cce")
+
+
+def test_liger_obstacles_name_the_condition():
+    """Each condition under which "auto" keeps the torch path is named (checked on CPU tensors past the device)."""
+    from lightning_mtraining.losses import _liger_obstacle
+
+    h = torch.randn(4, 8)
+    w = torch.randn(10, 8)
+    assert "need CUDA" in _liger_obstacle(h, w, 1.0, (True, True, False))
+    meta_h, meta_w = h.to("meta"), w.to("meta")  # past the device check only with a CUDA-like device: patch it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        assert "logit_scale=0.5" in _liger_obstacle(meta_h, meta_w, 0.5, (True, True, False))
+        assert "float64" in _liger_obstacle(meta_h.double(), meta_w.double(), 1.0, (True, True, False))
+        assert "no gradient is needed" in _liger_obstacle(meta_h, meta_w, 1.0, (False, True, False))
 
 
 # ---- products per chunk, bf16 error against torch's own, autocast, layouts and empty inputs ----
