@@ -323,7 +323,9 @@ def _liger_function() -> Any:
 # Liger-Kernel's chunking: rows per chunk ~ rows * chunk_mem_const * hidden / vocab (a power of two), so its default
 # (1) runs ~vocab / hidden chunks at every length (74 for Qwen2.5-3B) and adds the float32 [vocab, hidden] weight
 # gradient once per chunk; a larger constant runs fewer, larger chunks (transient bf16 logits of
-# rows * chunk_mem_const * hidden / vocab rows).
+# rows * chunk_mem_const * hidden / vocab rows). H100, Qwen2.5-3B head (benchmarks/RESULTS.md "Fused loss"): 1 -> 4
+# takes 8K rows from 113 to 36 ms and 64K from 220 to 191 ms for 0.6 GiB more at 64K; 8 and 16 gain little more at
+# 64K for 1.2 and 3.5 GiB more.
 LIGER_CHUNK_MEM = 4
 
 
@@ -369,11 +371,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     ``backend``: ``"torch"`` computes it as above (any device); ``"liger"`` calls Liger-Kernel's
     ``LigerFusedLinearCrossEntropyLoss`` (CUDA, ``logit_scale`` 1, gradients needed; float32 accumulation of
     ``d weight``; a ValueError says which condition fails); ``"auto"`` (default) takes Liger-Kernel where it can
-    compute the call and it is installed, else the torch path. Why: on an H100 at 64K tokens and Qwen2.5's
-    151,936-token vocabulary, Liger-Kernel (float32 accumulation) takes 220 ms and 2.0 GiB for loss and gradients
-    against 492 ms and 3.4 GiB here, whose float32 elementwise passes over each chunk's logits cost more than its
-    matmuls; cut-cross-entropy held the least memory (249 ms, 0.8 GiB) but its ``d hidden`` differed from a float64
-    reference 8x more (benchmarks/RESULTS.md "Fused loss"). Liger-Kernel is maintained by LinkedIn, used by
+    compute the call and it is installed, else the torch path. Why: on an H100 with Qwen2.5's 151,936-token
+    vocabulary, Liger-Kernel (float32 accumulation, chunk constant :data:`LIGER_CHUNK_MEM`) takes 36 ms at 8K rows
+    and 191 ms at 64K for loss and gradients against 64 and 494 ms here (this path's float32 elementwise passes over
+    each chunk's logits cost more than its matmuls), with the same error against a float32 reference;
+    cut-cross-entropy held the least memory but its ``d hidden`` error was 8x the others' (benchmarks/RESULTS.md
+    "Fused loss"). Liger-Kernel is maintained by LinkedIn, used by
     Hugging Face's Trainer and TRL, and applies a soft-cap; the torch path stays for CPU, a constant logit scale
     (Granite, Cohere) and installs without it. Both match the plain loss (tests/test_fused_loss.py).
     """
