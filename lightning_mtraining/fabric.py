@@ -88,6 +88,8 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
         fused_loss: compute a model's loss without its full logits when it is called with labels (see
             :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
+        nonfinite_check: ``"raise"`` (default), ``"warn"`` or ``"off"``: what ``fabric.backward`` does with a NaN
+            or infinite loss (see :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
         activation_checkpointing: recompute each decoder layer in backward (Hugging Face
             ``gradient_checkpointing_enable``, non-reentrant). To offload the saved layer inputs to host memory, run
             the forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
@@ -115,6 +117,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         loss_check: Literal["raise", "warn", "off"] = "raise",
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         **kwargs: Any,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
@@ -130,7 +133,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             **kwargs,
         )
         self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing)
+                                    fused_loss, activation_checkpointing, nonfinite_check)
         self.attention = attention
         check_sparsity_args(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention), layout,
                             block_size)
@@ -157,6 +160,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     @override
     def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         self.check_loss(tensor)
+        self.check_finite(tensor)
         super().backward(tensor, module, *args, **kwargs)
 
     @override

@@ -50,6 +50,7 @@ __all__ = [
     "attention_modules",
     "find_hf_models",
     "prepare_fused_loss",
+    "NonFiniteWatch",
     "prepare_model",
     "register_attention",
     "ring_attention_forward",
@@ -199,6 +200,64 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
         window=window,
         softcap=softcap,
     )
+
+
+class NonFiniteWatch:
+    """Whether each attention layer's input hidden states and output were finite in the last forward, as device
+    flags (no host sync while the model runs), to name where a non-finite loss came from.
+
+    Forward hooks on every attention module of ``models`` (:func:`attention_modules`; with any attention
+    implementation, so SDPA at one device too) record two bool tensors per layer; :meth:`report` turns them into a
+    message once the loss is known to be non-finite. Cost: two ``isfinite().all()`` reductions over ``[B, L, hidden]``
+    per layer and forward. :meth:`restore` removes the hooks.
+    """
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        self.flags: dict[int, tuple[str, torch.Tensor]] = {}
+        self._handles = []
+        order = 0
+        for model in models:
+            names = {m: n for n, m in model.named_modules()}
+            for module in attention_modules(model):
+                label = f"{type(model).__name__}.{names.get(module, type(module).__name__)}"
+                self._handles.append(module.register_forward_hook(self._hook(order, label), with_kwargs=True))
+                order += 1
+
+    def _hook(self, order: int, label: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor):
+                return
+            with torch.no_grad():
+                flags = torch.stack([torch.isfinite(hidden).all(), torch.isfinite(out).all()])
+            self.flags[order] = (f"{label} (layer {getattr(module, 'layer_idx', '?')})", flags)
+
+        return hook
+
+    def report(self) -> str:
+        """Where the last forward's values first stopped being finite, in layer order (one host sync)."""
+        if not self.flags:
+            return "no attention layer ran in the last forward"
+        keys = sorted(self.flags)
+        ok = torch.stack([self.flags[k][1] for k in keys]).cpu()
+        for i, k in enumerate(keys):
+            label = self.flags[k][0]
+            if not ok[i, 0]:
+                before = "; every earlier attention layer's input was finite" if i else ""
+                return (f"the input hidden states of {label} were already non-finite{before}: the value arose before "
+                        "this attention (the embeddings, an earlier layer's MLP, or this layer's input norm)")
+            if not ok[i, 1]:
+                return (f"{label} produced non-finite output from finite input hidden states (attention or its "
+                        "projections overflowed: in float16, try bf16; check the learning rate and the scale)")
+        return ("every attention layer's input and output were finite: the non-finite value arose after the last "
+                "attention layer (MLP, final norm, output embedding, the loss) or in the targets")
+
+    def restore(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.flags = {}
 
 
 def register_attention() -> None:

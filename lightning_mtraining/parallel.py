@@ -28,12 +28,15 @@ import math
 from collections.abc import Iterable
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mtraining.hf import (
     ContextParallelPlan,
     FusedLoss,
+    NonFiniteWatch,
     PreparedModel,
     attention_modules,
     find_hf_models,
@@ -90,6 +93,7 @@ class ContextParallel:
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         owner: str = "apply_context_parallel",
+        watch_nonfinite: bool = True,
     ) -> None:
         models = find_hf_models(module)
         if not models:
@@ -121,6 +125,7 @@ class ContextParallel:
             self.schedule = schedule if configs else None
             plan.schedule = self.schedule
             self.prepared = [prepare_model(m, plan, layer_sparsity) for m in models]
+        self.watch = NonFiniteWatch(models) if watch_nonfinite else None
         if fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
             backend = "auto" if fused_loss is True else fused_loss
             self.fused = [f for f in (prepare_fused_loss(m, backend) for m in models) if f is not None]
@@ -144,8 +149,26 @@ class ContextParallel:
         """The sparse attention statistics of the last measured step (empty when every layer is dense)."""
         return self.schedule.metrics() if self.schedule is not None else {}
 
+    def nonfinite_message(self, loss: torch.Tensor, group: dist.ProcessGroup | None = None) -> str | None:
+        """None if ``loss`` is finite on every rank of ``group`` (the default group when initialised; a collective
+        then: every rank calls it); else a message naming where this rank's last forward first stopped being finite
+        (:class:`~lightning_mtraining.hf.NonFiniteWatch`). One host sync, and one all-reduce of a flag."""
+        finite = torch.isfinite(loss.detach()).all().to(torch.int32).reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+        if bool(finite.item()):
+            return None
+        here = torch.isfinite(loss.detach()).all().item()
+        rank = f"rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else "this process"
+        where = self.watch.report() if self.watch is not None else "(no layer watch installed)"
+        what = f"the loss is {loss.detach().float().reshape(-1)[0].item()}" if not here else "the loss is finite here"
+        return f"non-finite loss: on {rank} {what}; {where}"
+
     def restore(self) -> None:
         """Remove every hook and restore each model's previous attention implementation."""
+        if self.watch is not None:
+            self.watch.restore()
+            self.watch = None
         for fused in self.fused:
             fused.restore()
         for prepared in self.prepared:

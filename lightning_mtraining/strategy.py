@@ -223,8 +223,12 @@ class ContextParallelMixin:
         loss_check: str = "raise",
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        nonfinite_check: str = "raise",
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
+        if nonfinite_check not in LOSS_CHECKS:
+            raise ValueError(f"{type(self).__name__}(nonfinite_check=...) must be one of {LOSS_CHECKS}, got "
+                             f"{nonfinite_check!r}")
         check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [sparsity], layout, block_size)
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"{type(self).__name__}(activation_checkpointing=...) must be True or False, got "
@@ -243,6 +247,8 @@ class ContextParallelMixin:
         self.block_size = block_size
         self.sparsity = sparsity
         self.loss_check = loss_check
+        self.nonfinite_check = nonfinite_check
+        self._warned_nonfinite = False
         self._device_mesh: DeviceMesh | None = None
         self._plan: ContextParallelPlan | None = None
         self._prepared: list[PreparedModel] = []
@@ -358,7 +364,7 @@ class ContextParallelMixin:
         cp = ContextParallel(
             module, self.plan, layer_sparsity=layer_sparsity, schedule_options=schedule_options,
             fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
-            owner=type(self).__name__,
+            owner=type(self).__name__, watch_nonfinite=self.nonfinite_check != "off",
         )
         self._cp = cp
         self._models_ready = True
@@ -436,6 +442,26 @@ class ContextParallelMixin:
             rank_zero_warn(message)
 
 
+    def check_finite(self, loss: Any) -> None:
+        """Raise (``FloatingPointError``) or warn once (``nonfinite_check``) if ``loss`` is NaN or infinite on any
+        rank, naming where this rank's forward first stopped being finite: the first attention layer whose input
+        hidden states were non-finite, or one that made them non-finite, or "after the last attention layer"
+        (:class:`~lightning_mtraining.hf.NonFiniteWatch`). Every rank takes the same decision (one all-reduce of a
+        flag), so no rank is left waiting in backward's collectives. One host sync per step."""
+        if self.nonfinite_check == "off" or self._cp is None or not isinstance(loss, torch.Tensor):
+            return
+        message = self._cp.nonfinite_message(loss)
+        if message is None:
+            return
+        message += (". The step's gradients would be non-finite; nonfinite_check='warn' trains on (e.g. with a "
+                    "float16 grad scaler that skips such steps), 'off' skips this check.")
+        if self.nonfinite_check == "raise":
+            raise FloatingPointError(message)
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank_zero_warn(message)
+
+
 def _map_sequence_tensors(output: Any, sharded: ShardedBatch) -> Any:
     """``output`` with each shard tensor (see ``gather_outputs``) replaced by the whole sequence."""
     batch_size = sharded.valid.shape[0]
@@ -497,6 +523,7 @@ class TrainerStepHooks:
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.check_loss(closure_loss)
+        self.check_finite(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -571,6 +598,11 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
             :func:`~lightning_mtraining.losses.fused_linear_cross_entropy`).
         activation_checkpointing: recompute each decoder layer in backward (Hugging Face
             ``gradient_checkpointing_enable``, non-reentrant): activations kept per layer are its input only.
+        nonfinite_check: ``"raise"`` (default): a NaN or infinite loss on any rank stops the run before backward
+            with a ``FloatingPointError`` naming where the forward first stopped being finite (the first attention
+            layer whose input hidden states were non-finite, or that produced them); ``"warn"`` warns once and
+            trains on (a float16 grad scaler skips such steps); ``"off"``. Costs two reductions per layer, one
+            host sync and one all-reduce of a flag per step.
         offload_activations: keep the tensors saved for backward during ``training_step`` in pinned host memory
             (``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs,
             so GPU activation memory no longer grows with depth. Costs host-device copies each step.
@@ -599,6 +631,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
+        nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         **kwargs: Any,
     ) -> None:
         check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
@@ -615,7 +648,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
             **kwargs,
         )
         self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing)
+                                    fused_loss, activation_checkpointing, nonfinite_check)
         self._gather_outputs = gather_outputs
         self.offload_activations = offload_activations
 

@@ -46,7 +46,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
 
     Args:
         context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check, gather_outputs,
-            fused_loss, activation_checkpointing, offload_activations: as
+            fused_loss, activation_checkpointing, offload_activations, nonfinite_check: as
             :class:`~lightning_mtraining.strategy.MTrainingStrategy`.
         reshard_after_forward: FSDP2's option for the decoder layers (``True``: parameters are gathered again in
             backward, least memory; ``False``: kept gathered from forward to backward).
@@ -67,6 +67,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
+        nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -78,7 +79,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing)
+                                    fused_loss, activation_checkpointing, nonfinite_check)
         self.reshard_after_forward = reshard_after_forward
         self._gather_outputs = gather_outputs
         self.offload_activations = offload_activations
