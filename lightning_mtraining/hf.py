@@ -209,7 +209,7 @@ class NonFiniteWatch:
     Forward hooks on every attention module of ``models`` (:func:`attention_modules`; with any attention
     implementation, so SDPA at one device too) record two bool tensors per layer; :meth:`report` turns them into a
     message once the loss is known to be non-finite. Cost: two ``isfinite().all()`` reductions over ``[B, L, hidden]``
-    per layer and forward. :meth:`restore` removes the hooks.
+    per layer and forward (not again in a checkpointed layer's recompute). :meth:`restore` removes the hooks.
     """
 
     def __init__(self, models: list[nn.Module]) -> None:
@@ -225,6 +225,8 @@ class NonFiniteWatch:
 
     def _hook(self, order: int, label: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:  # an activation-checkpointing recompute inside backward
+                return
             hidden = args[0] if args else kwargs.get("hidden_states")
             out = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor):

@@ -128,3 +128,11 @@ def test_a_nan_on_one_data_parallel_rank_stops_every_rank_naming_its_layer():
     assert "on rank 0 the loss is finite here; every attention layer's input and output were finite" in \
         results[0]["error"], results[0]["error"]
     assert math.isfinite(results[0]["losses"][0]) and math.isnan(results[1]["losses"][0])
+
+
+def test_with_activation_checkpointing_the_forward_flags_are_kept():
+    """The recompute inside backward does not overwrite the forward's flags (it is skipped); the check still names
+    the layer."""
+    quiet()
+    module, err = _fit(1, "layer1_attention", activation_checkpointing=True)
+    assert err is not None and "layers.1.self_attn (layer 1) produced non-finite output" in str(err), err
