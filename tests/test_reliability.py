@@ -1,9 +1,11 @@
-"""No silent hangs: a rank that stalls makes the others fail within the process group's timeout, with an error
-that names the waiting rank and the operation (and, for a ring transfer, its peer). Gloo, CPU."""
+"""No silent hangs: a rank that stalls makes the others fail within the process group's timeout, and a rank that is
+killed makes them fail at once, with an error that names the waiting rank and the operation (and, for a ring
+transfer, its peer). Gloo, CPU."""
 
 from __future__ import annotations
 
 import datetime
+import io
 import time
 
 import pytest
@@ -46,3 +48,68 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_op(sparse
             assert "all-gather" in message and "over a group of 3" in message, message
         else:  # a ring transfer names its peer: rank 0 sends to the stalled rank 1, rank 2 receives from it
             assert "ring attention's" in message and "rank 1" in message, message
+
+
+KILL_AFTER_S = 1.0
+
+
+def _killed_worker(rank: int, world_size: int, sparse: bool):
+    import os
+    import signal
+
+    from lightning_mtraining import SparsityConfig, ring_attention
+
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=60))
+    g = torch.Generator().manual_seed(rank)
+    q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 64, 8, generator=g)
+    if rank == 1:
+        time.sleep(KILL_AFTER_S)  # the others are waiting on it by now
+        os.kill(os.getpid(), signal.SIGKILL)  # dies as an OOM-killed or crashed rank does: no cleanup, no message
+    sparsity = SparsityConfig(vertical_topk=2, slash_topk=2, last_q=8, tile_size=16) if sparse else None
+    start = time.monotonic()
+    try:
+        ring_attention(q, k, k, group=group, block_size=16, sparsity=sparsity)
+    except RuntimeError as err:
+        return time.monotonic() - start, str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_killed_rank_fails_the_others_at_once_naming_the_op(sparse):
+    """A rank killed mid-step (SIGKILL) makes the others fail at once (its sockets close), well before the group's
+    60 s timeout, with an error naming the waiting rank and the operation."""
+    import multiprocessing as mp
+    import queue as queue_lib
+
+    from _dist import _worker, free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(_killed_worker, r, 3, port, 60, results, (sparse,), {}), daemon=True)
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(2):
+            rank, ok, payload = results.get(timeout=90)
+            assert ok, payload
+            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    except queue_lib.Empty:
+        pytest.fail(f"the surviving ranks did not finish within 90 s (got {sorted(got)}): a hang")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -9, procs[1].exitcode
+    for rank in (0, 2):
+        waited, message = got[rank]
+        assert waited < 30, waited  # at once, not the group's 60 s timeout
+        assert message.startswith(f"rank {rank}: "), message
+        assert "A rank it waits on died, stalled or ran different work" in message, message
+        if sparse:
+            assert "over a group of 3" in message, message
+        else:
+            assert "ring attention's" in message, message
