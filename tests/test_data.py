@@ -248,3 +248,63 @@ def test_resume_from_loader_state_twice(corpus):
     middle, state = take(data.token_dataloader(corpus, SEQ_LEN, **kwargs), 3, state)
     last, _ = take(data.token_dataloader(corpus, SEQ_LEN, **kwargs), 3, state)
     assert first + middle + last == full
+
+
+def _resume_worker(rank: int, world_size: int, corpus: str, ckpt_dir: str) -> dict:
+    """Trainer + litdata + sparse attention with a dense warm-up: 5 steps straight, and 1 step, a checkpoint, then
+    the rest resumed from it (inside the warm-up); each run's per-step losses and pattern estimations."""
+    import glob
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mtraining import MTrainingStrategy, SparsityConfig
+    from test_strategy import elastic_env, make_model, quiet
+
+    elastic_env(rank, world_size, world_size)
+    quiet()
+    cfg = SparsityConfig(top_p=0.9, max_vertical=6, max_slash=10, last_q=8, sink_tokens=2, local_window=16,
+                         tile_size=16, dense_warmup_steps=2)
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model("llama", vocab_size=data.BYTE_VOCAB)
+            self.records: list[tuple[int, float]] = []
+
+        def train_dataloader(self):
+            return data.token_dataloader(corpus, SEQ_LEN, batch_size=1, strategy=self.trainer.strategy, seed=5)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.records.append((self.global_step, float(loss.detach())))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(max_steps: int, ckpt: str | None = None, save: bool = False):
+        module = LM()
+        strategy = MTrainingStrategy(block_size=16, sparsity=cfg)
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if save else []
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
+                            enable_checkpointing=save, callbacks=callbacks, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(module, ckpt_path=ckpt)
+        return module.records, strategy.attention_schedule.estimations
+
+    full, est_full = run(5)
+    first, _ = run(1, save=True)
+    (ckpt,) = glob.glob(f"{ckpt_dir}/*step=1*.ckpt")
+    rest, est_rest = run(5, ckpt=ckpt)
+    return {"full": full, "first": first, "rest": rest, "est_full": est_full, "est_rest": est_rest}
+
+
+def test_resume_inside_the_dense_warmup_with_litdata_is_exact(corpus, tmp_path):
+    """A Trainer checkpoint taken inside the dense warm-up resumes the uninterrupted run exactly: the same losses
+    bit for bit (one process, the same float32 ops in the same order), the switch to sparse at the same step (2
+    layers estimated at each of steps 2, 3, 4 in both), the litdata loader at the same sample."""
+    res = run_distributed(_resume_worker, 1, corpus, str(tmp_path), timeout=600)[0]
+    assert [s for s, _ in res["full"]] == [0, 1, 2, 3, 4]
+    assert res["first"] + res["rest"] == res["full"], (res["first"], res["rest"], res["full"])
+    assert res["est_full"] == 6 and res["est_rest"] == 6, (res["est_full"], res["est_rest"])
