@@ -25,6 +25,10 @@ random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``
   S slashes cover at most about 2 S of the N / 128 tile diagonals, V verticals V of the keys (the density is
   printed); a small S is the fixed-density mode for what the kernels give a step at a trained model's sparsity.
 
+``--deterministic``: ``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``): what bit-identical
+reruns cost (``tests/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
+strategy's non-finite loss guard (what the guard costs).
+
 Each variant runs in its own process (a fresh CUDA allocator), its sequence lengths in increasing order, each with
 ``--warmup`` untimed and ``--steps`` timed optimizer steps (synchronised wall time per step). Reported: step time
 (median), tokens/s, peak GPU memory (``max_memory_allocated``) and bytes per token of it, ``OOM`` where the step
@@ -201,14 +205,16 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
         sparsity = {"sparse_topp": PAPER_SPARSITY,
                     "sparse_topk": SparsityConfig(vertical_topk=args.topk[0], slash_topk=args.topk[1])}.get(variant)
         fused = {"mtraining_dense_plain_loss": False, "mtraining_dense_torch_loss": "torch"}.get(variant, True)
-        return MTrainingStrategy(sparsity=sparsity, fused_loss=fused,
+        return MTrainingStrategy(sparsity=sparsity, fused_loss=fused, nonfinite_check=args.nonfinite_check,
                                  offload_activations=args.offload)
 
     extra = 1 if args.split else 0  # the profiled step
     rows, failed = [], False
     for n in seqlens:
-        row = {"variant": f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant,
-               "N": n}
+        label = f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant
+        label += " det" if args.deterministic else ""
+        label += f" nonfinite={args.nonfinite_check}" if args.nonfinite_check != "raise" else ""
+        row = {"variant": label, "N": n}
         if failed:
             row["status"] = "skipped (a shorter length failed)"
             rows.append(row)
@@ -222,6 +228,7 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             trainer = L.Trainer(
                 accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy(),
                 precision="bf16-true" if cuda else "32-true", max_steps=args.warmup + args.steps + extra, logger=False,
+                deterministic=args.deterministic,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 callbacks=[clock], num_sanity_val_steps=0,
             )
@@ -303,6 +310,10 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="PNG path for tokens/s against length")
     ap.add_argument("--offload", action="store_true",
                     help="mtraining variants: offload_activations=True (checkpointed layer inputs in pinned host memory)")
+    ap.add_argument("--nonfinite-check", default="raise", choices=("raise", "warn", "off"),
+                    help="mtraining variants: the strategy's nonfinite_check (its per-layer flags and per-step check)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="Trainer(deterministic=True): torch.use_deterministic_algorithms, what bit-identical reruns cost")
     ap.add_argument("--topk", type=int, nargs=2, default=[1024, 1024], metavar=("V", "S"),
                     help="sparse_topk: vertical and slash budget per head")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
@@ -337,6 +348,8 @@ def main() -> None:
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--offload"] if args.offload else []
         cmd += ["--topk", *map(str, args.topk)]
+        cmd += ["--deterministic"] if args.deterministic else []
+        cmd += ["--nonfinite-check", args.nonfinite_check]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         found = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
