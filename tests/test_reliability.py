@@ -17,15 +17,16 @@ from _dist import run_distributed
 TIMEOUT_S, STALL_S = 3, 8
 
 
-def _stalled_worker(rank: int, world_size: int, sparse: bool):
+def _ring_until_failure(rank: int, world_size: int, sparse: bool, timeout_s: float, misbehave) -> object:
+    """Every rank runs one ring attention over a group with ``timeout_s``; rank 1 calls ``misbehave()`` instead
+    (returning what it returns). The others return (seconds until the ring failed, the error) or "no error"."""
     from lightning_mtraining import SparsityConfig, ring_attention
 
-    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
     g = torch.Generator().manual_seed(rank)
     q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 64, 8, generator=g)
     if rank == 1:
-        time.sleep(STALL_S)  # never joins: a rank that hangs (a dead rank fails its peers at once instead)
-        return "stalled"
+        return misbehave()
     sparsity = SparsityConfig(vertical_topk=2, slash_topk=2, last_q=8, tile_size=16) if sparse else None
     start = time.monotonic()
     try:
@@ -33,6 +34,15 @@ def _stalled_worker(rank: int, world_size: int, sparse: bool):
     except RuntimeError as err:
         return time.monotonic() - start, str(err)
     return "no error"
+
+
+def _stall() -> str:
+    time.sleep(STALL_S)  # never joins: a rank that hangs (a dead rank fails its peers at once instead)
+    return "stalled"
+
+
+def _stalled_worker(rank: int, world_size: int, sparse: bool):
+    return _ring_until_failure(rank, world_size, sparse, TIMEOUT_S, _stall)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -53,25 +63,16 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_op(sparse
 KILL_AFTER_S = 1.0
 
 
-def _killed_worker(rank: int, world_size: int, sparse: bool):
+def _die() -> None:
     import os
     import signal
 
-    from lightning_mtraining import SparsityConfig, ring_attention
+    time.sleep(KILL_AFTER_S)  # the others are waiting on it by now
+    os.kill(os.getpid(), signal.SIGKILL)  # dies as an OOM-killed or crashed rank does: no cleanup, no message
 
-    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=60))
-    g = torch.Generator().manual_seed(rank)
-    q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 64, 8, generator=g)
-    if rank == 1:
-        time.sleep(KILL_AFTER_S)  # the others are waiting on it by now
-        os.kill(os.getpid(), signal.SIGKILL)  # dies as an OOM-killed or crashed rank does: no cleanup, no message
-    sparsity = SparsityConfig(vertical_topk=2, slash_topk=2, last_q=8, tile_size=16) if sparse else None
-    start = time.monotonic()
-    try:
-        ring_attention(q, k, k, group=group, block_size=16, sparsity=sparsity)
-    except RuntimeError as err:
-        return time.monotonic() - start, str(err)
-    return "no error"
+
+def _killed_worker(rank: int, world_size: int, sparse: bool):
+    return _ring_until_failure(rank, world_size, sparse, 60, _die)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
