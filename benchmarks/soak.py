@@ -164,7 +164,11 @@ def report(args, ranks: list[list[dict]], cuda: bool, torch_version: str) -> Non
     Path(args.out).write_text(json.dumps(out))
     print(f"wrote {args.out}")
     if args.plot:
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install '.[bench]')")
+            return
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -549,4 +549,7 @@ def default_block_op(device: torch.device) -> BlockAttentionOp:
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
+    """The attention scale everywhere in the package: ``scale``, or ``1 / sqrt(head_dim)`` when None. (The kernels
+    package, which the package builds on and so cannot import, applies the same rule in
+    ``mtraining_kernels.vertical_slash.vertical_slash_attention``.)"""
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

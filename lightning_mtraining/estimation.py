@@ -63,15 +63,15 @@ most two non-zero terms per element, and a + b is commutative in IEEE arithmetic
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_mtraining._profiling import ESTIMATE, profiled
+from lightning_mtraining.attention_ops import default_scale
 from lightning_mtraining.collectives import all_gather_stacked, named_failure, reduce_scatter_dim0
-from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
+from lightning_mtraining.layouts import check_attention_inputs, check_local_length, global_positions, layout_unit
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 
 __all__ = ["attention_recall", "estimate_pattern"]
@@ -177,26 +177,11 @@ def _seq_lens(seq_len, batch: int, n_total: int, what: str) -> list[int]:
 
 
 def _validate_inputs(q, k, layout: str, block_size: int, cp_size: int, what: str) -> None:
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{what}: {name} must be a floating [batch, heads, seq, head_dim] tensor, got {shape}")
-    B, H, S, D = q.shape
-    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D or k.shape[1] < 1 or H % k.shape[1]:
-        raise ValueError(
-            f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, H, S, D] and [B, Hkv, S, D] with H a "
-            "multiple of Hkv"
-        )
-    if q.device != k.device:
-        raise ValueError(f"{what}: q is on {q.device} but k on {k.device}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"{what}: unknown layout {layout!r}; choose one of {LAYOUTS}")
-    unit = layout_unit(layout, cp_size, block_size)
-    if cp_size > 1 and (S * cp_size) % unit:  # one rank holds the whole sequence in any layout
-        raise ValueError(
-            f"{what}: local length {S} on {cp_size} ranks gives {S * cp_size} tokens, not a multiple of the {layout} "
-            f"layout's unit {unit}; shard a sequence padded to a multiple of {unit}"
-        )
+    check_attention_inputs(q, k, what=what)
+    if cp_size > 1:  # one rank holds the whole sequence in any layout
+        check_local_length(q.shape[2], cp_size, layout, block_size, what)
+    else:
+        layout_unit(layout, cp_size, block_size)  # the layout's name and block size
 
 
 class _Probe:
@@ -305,7 +290,7 @@ def _resolve(q, k, group, layout, block_size, seq_len, scale, what):
     n_total = q.shape[2] * cp_size
     lens = _seq_lens(seq_len, q.shape[0], n_total, what)
     _check_group_shapes(q, k, lens, group, cp_size, what)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1], scale)
     return group, cp_rank, cp_size, n_total, lens, scale
 
 

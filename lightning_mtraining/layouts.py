@@ -28,14 +28,59 @@ A length that is not a multiple of the layout's unit is an error here; the integ
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
 Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
 
-__all__ = ["LAYOUTS", "Layout", "global_positions", "layout_unit", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "Layout", "check_attention_inputs", "check_local_length", "global_positions", "layout_unit",
+           "shard_sequence", "unshard_sequence"]
+
+
+def check_attention_inputs(q: Any, k: Any, v: Any = None, what: str = "") -> None:
+    """The one check of attention inputs (ring, estimator, sparse attention): ``q [B, H, S, D]``, ``k`` (and ``v``,
+    when given) ``[B, Hkv, S, D]`` floating tensors, ``H`` a multiple of ``Hkv``, one dtype (q, k, v given) and one
+    device. ``what`` prefixes the message (the caller's name)."""
+    pre = f"{what}: " if what else ""
+    named = (("q", q), ("k", k)) + ((("v", v),) if v is not None else ())
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{pre}{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{pre}{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{pre}{name} must be a floating-point tensor, got {t.dtype}")
+    if v is not None and k.shape != v.shape:
+        raise ValueError(f"{pre}k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    B, H, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(
+            f"{pre}q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local sequence length and head dim"
+        )
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"{pre}query heads ({H}) must be a multiple of key/value heads ({k.shape[1]})")
+    tensors = [t for _, t in named]
+    if v is not None and len({t.dtype for t in tensors}) > 1:
+        raise TypeError(f"{pre}q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{pre}q, k{', v' if v is not None else ''} must be on one device, got "
+                         f"{', '.join(str(t.device) for t in tensors)}")
+
+
+def check_local_length(local_len: int, cp_size: int, layout: str, block_size: int, what: str = "") -> int:
+    """A rank's shard of ``local_len`` tokens must come from a sequence of ``local_len * cp_size`` tokens that is a
+    positive multiple of ``layout``'s unit (which is returned); the layout name is checked too."""
+    unit = layout_unit(layout, cp_size, block_size)
+    if local_len == 0 or (local_len * cp_size) % unit:
+        pre = f"{what}: " if what else ""
+        raise ValueError(
+            f"{pre}local sequence length {local_len} on {cp_size} ranks gives {local_len * cp_size} tokens, not a "
+            f"positive multiple of the {layout} layout's unit {unit}; pad the full sequence to a multiple of {unit} "
+            f"before sharding (the strategy does this for you)"
+        )
+    return unit
 
 
 def _check_layout(layout: str, world_size: int, block_size: int) -> None:

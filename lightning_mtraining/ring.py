@@ -67,7 +67,7 @@ from lightning_mtraining.attention_ops import (
 )
 from lightning_mtraining.collectives import named_failure
 from lightning_mtraining.estimation import estimate_pattern
-from lightning_mtraining.layouts import LAYOUTS, global_positions, layout_unit
+from lightning_mtraining.layouts import check_attention_inputs, check_local_length, global_positions
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 from mtraining_kernels.indexing import (
     TileLists,
@@ -398,35 +398,8 @@ def _positions(n: int, cp_size: int, layout: str, block_size: int, device: torch
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, block_size: int, cp_size: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    B, H, S, D = q.shape
-    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local sequence length and head dim"
-        )
-    if k.shape[1] < 1 or H % k.shape[1]:
-        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    unit = layout_unit(layout, cp_size, block_size)
-    if S == 0 or (S * cp_size) % unit:
-        raise ValueError(
-            f"local sequence length {S} on {cp_size} ranks gives {S * cp_size} tokens, not a positive multiple of "
-            f"the {layout} layout's unit {unit}; pad the full sequence to a multiple of {unit} before sharding "
-            f"(the strategy does this for you)"
-        )
+    check_attention_inputs(q, k, v)
+    check_local_length(q.shape[2], cp_size, layout, block_size)
 
 
 @functools.lru_cache(maxsize=64)

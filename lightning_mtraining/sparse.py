@@ -19,11 +19,11 @@ O(chunk * S) instead of O(S^2). Validation needs one device sync (the index rang
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mtraining.attention_ops import default_scale
+from lightning_mtraining.layouts import check_attention_inputs
 from mtraining_kernels.indexing import expand_pattern
 from mtraining_kernels.reference import attention_ref, vertical_slash_mask
 
@@ -46,19 +46,9 @@ def _blocks(block_size: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def _validate(q, k, v, vertical_idx, slash_idx) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, H, S, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_attention_inputs(q, k, v, what="sparse_attention")
     B, H, S, D = q.shape
     Hkv = k.shape[1]
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D or Hkv == 0 or H % Hkv:
-        raise ValueError(
-            f"k and v must be [B, H_kv, S, D] with H % H_kv == 0 matching q {tuple(q.shape)}; "
-            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TypeError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the CUDA kernels take float16, bfloat16 or float32; got {q.dtype}")
     for name, idx in (("vertical_idx", vertical_idx), ("slash_idx", slash_idx)):
@@ -134,7 +124,7 @@ def sparse_attention(
     """
     bm, bn = _blocks(block_size)
     _validate(q, k, v, vertical_idx, slash_idx)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1], scale)
     if not q.is_cuda:
         return _reference_path(q, k, v, vertical_idx, slash_idx, bm, bn, scale)
     from mtraining_kernels.indexing import pattern_tile_lists

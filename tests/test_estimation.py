@@ -147,9 +147,10 @@ def test_bad_inputs_are_clear_errors():
         estimate_pattern(q, k, SparsityConfig(last_q=80))
     with pytest.raises(ValueError, match="last_q=8 probe queries but a sequence has only 5"):
         estimate_pattern(q, k, cfg, seq_len=[64, 5])
-    with pytest.raises(ValueError, match="must be \\[B, H, S, D\\] and \\[B, Hkv, S, D\\]"):
+    with pytest.raises(ValueError, match="estimate_pattern: q \\(2, 6, 64, 8\\) and k/v \\(2, 2, 32, 8\\) must agree "
+                                         "on batch, local sequence length"):
         estimate_pattern(q, k[:, :, :32], cfg)
-    with pytest.raises(ValueError, match="H a multiple of Hkv"):
+    with pytest.raises(ValueError, match="estimate_pattern: query heads \\(\\d+\\) must be a multiple of key/value heads"):
         estimate_pattern(q[:, :5], k, cfg)
     with pytest.raises(ValueError, match="seq_len \\[65, 65\\] must be in \\[1, 64\\]"):
         estimate_pattern(q, k, cfg, seq_len=65)

@@ -97,9 +97,10 @@ def test_bf16_cpu_path_keeps_dtype():
 @pytest.mark.parametrize(
     "change,err,match",
     [
-        (dict(q=torch.randn(1, 3, 20, 8)), ValueError, "H % H_kv"),
-        (dict(k=torch.randn(1, 2, 21, 8)), ValueError, "k and v"),
-        (dict(q=torch.randn(1, 4, 20, 8, dtype=torch.float64)), TypeError, "one floating dtype"),
+        (dict(q=torch.randn(1, 3, 20, 8)), ValueError, r"sparse_attention: query heads \(3\) must be a multiple of "
+                                                        r"key/value heads \(2\)"),
+        (dict(k=torch.randn(1, 2, 21, 8)), ValueError, "k and v must have the same shape"),
+        (dict(q=torch.randn(1, 4, 20, 8, dtype=torch.float64)), TypeError, "q, k, v must share a dtype"),
         (dict(vi=torch.zeros(1, 4, 2)), TypeError, "vertical_idx must be an integer"),
         (dict(si=torch.zeros(1, 3, 2, dtype=torch.long)), ValueError, "G = H=4"),
         (dict(vi=torch.zeros(4, 2, dtype=torch.long)), ValueError, r"\[B, G, n\]"),
