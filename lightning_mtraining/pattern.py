@@ -157,6 +157,12 @@ class SparsityConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SparsityConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.sink_tokens == 0 and self.local_window == 0:
+            raise ValueError(
+                "SparsityConfig(sink_tokens=0, local_window=0) could leave a query with no key at all (an empty "
+                "attention row: output 0, no gradient); keep sink_tokens >= 1 (key 0 for every query) or "
+                "local_window >= 1 (each query's own key); the defaults are 4 and 128"
+            )
         if self.top_p is not None:
             if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"SparsityConfig.top_p must be None (top-k mode) or in (0, 1], got {self.top_p!r}")

@@ -136,3 +136,46 @@ def test_with_activation_checkpointing_the_forward_flags_are_kept():
     quiet()
     module, err = _fit(1, "layer1_attention", activation_checkpointing=True)
     assert err is not None and "layers.1.self_attn (layer 1) produced non-finite output" in str(err), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_half_precision_scores_beyond_float16_range_stay_finite(dtype, sparse):
+    """Products q.k up to ~2.6e5, beyond float16's 65504: the attention's scores are formed in float32 (as the GPU
+    kernels' accumulators do), so outputs and gradients stay finite, and dense attention matches float64 to a few
+    units in the last place of the inputs' dtype (the output is a convex combination of v's rows, each rounded
+    once: 4 eps x max|v| bounds it)."""
+    from lightning_mtraining import SparsityConfig, ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = ((torch.randn(1, 2, 64, 16, generator=g) * 120).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 2, 64, 16, generator=g).to(dtype).requires_grad_()
+    assert (q.double() @ k.double().transpose(-1, -2)).abs().max() > 2 * torch.finfo(torch.float16).max
+    sparsity = SparsityConfig(vertical_topk=4, slash_topk=4, last_q=8, tile_size=16) if sparse else None
+    out = ring_attention(q, k, v, block_size=16, sparsity=sparsity)
+    out.float().square().sum().backward()
+    assert torch.isfinite(out).all()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    if not sparse:
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+        tol = 4 * torch.finfo(dtype).eps * v.detach().abs().max().item()
+        assert (out.double() - ref).abs().max() <= tol
+
+
+def test_no_query_is_left_without_a_key():
+    """By construction: a sink (key 0) or the local window's main diagonal is always kept, so every row of an
+    estimated pattern holds a key, whatever the budgets pick; a config that could empty a row is refused."""
+    from lightning_mtraining import SparsityConfig, estimate_pattern
+    from mtraining_kernels.reference import vertical_slash_mask
+
+    with pytest.raises(ValueError, match=r"sink_tokens=0, local_window=0\) could leave a query with no key"):
+        SparsityConfig(sink_tokens=0, local_window=0)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 96, 8, generator=g), torch.randn(2, 2, 96, 8, generator=g)
+    for sink, local in ((1, 0), (0, 1)):
+        cfg = SparsityConfig(vertical_topk=1, slash_topk=1, last_q=8, sink_tokens=sink, local_window=local,
+                             tile_size=16)
+        p = estimate_pattern(q, k, cfg)
+        mask = vertical_slash_mask(p.vertical_idx, p.slash_idx, 96, 16)
+        assert mask.any(-1).all(), f"sink_tokens={sink}, local_window={local}: a query row has no key"
