@@ -287,7 +287,7 @@ def _resume_worker(rank: int, world_size: int, corpus: str, ckpt_dir: str) -> di
         module = LM()
         strategy = MTrainingStrategy(block_size=16, sparsity=cfg)
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if save else []
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps, logger=False,
                             enable_checkpointing=save, callbacks=callbacks, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(module, ckpt_path=ckpt)
@@ -300,11 +300,13 @@ def _resume_worker(rank: int, world_size: int, corpus: str, ckpt_dir: str) -> di
     return {"full": full, "first": first, "rest": rest, "est_full": est_full, "est_rest": est_rest}
 
 
-def test_resume_inside_the_dense_warmup_with_litdata_is_exact(corpus, tmp_path):
-    """A Trainer checkpoint taken inside the dense warm-up resumes the uninterrupted run exactly: the same losses
-    bit for bit (one process, the same float32 ops in the same order), the switch to sparse at the same step (2
-    layers estimated at each of steps 2, 3, 4 in both), the litdata loader at the same sample."""
-    res = run_distributed(_resume_worker, 1, corpus, str(tmp_path), timeout=600)[0]
-    assert [s for s, _ in res["full"]] == [0, 1, 2, 3, 4]
-    assert res["first"] + res["rest"] == res["full"], (res["first"], res["rest"], res["full"])
-    assert res["est_full"] == 6 and res["est_rest"] == 6, (res["est_full"], res["est_rest"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_inside_the_dense_warmup_with_litdata_is_exact(corpus, tmp_path, world_size):
+    """A Trainer checkpoint taken inside the dense warm-up resumes the uninterrupted run exactly, on one process and
+    with the sequence split over 2 (context parallel, sparse ring): the same losses bit for bit (the same float32
+    ops in the same order), the switch to sparse at the same step (2 layers estimated at each of steps 2, 3, 4 in
+    both), the litdata loader at the same sample."""
+    for res in run_distributed(_resume_worker, world_size, corpus, str(tmp_path), timeout=600):
+        assert [s for s, _ in res["full"]] == [0, 1, 2, 3, 4]
+        assert res["first"] + res["rest"] == res["full"], (res["first"], res["rest"], res["full"])
+        assert res["est_full"] == 6 and res["est_rest"] == 6, (res["est_full"], res["est_rest"])

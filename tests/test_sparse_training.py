@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from _dist import run_distributed
-from test_strategy import (  # noqa: F401 - _isolate_in_process_trainers is an autouse fixture, used by importing it
-    _isolate_in_process_trainers,
+from test_strategy import (
     _lightning_module,
     elastic_env,
     make_samples,

@@ -255,21 +255,6 @@ def run_scenarios(world_size: int, scenarios: list[dict[str, Any]]) -> None:
 # ---- tests -------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _isolate_in_process_trainers():
-    """An in-process Trainer initialises a (world size 1) process group and sets MASTER_ADDR/PORT etc.; undo
-    both so later tests (and the subprocesses they start) begin from a clean process."""
-    import torch.distributed as dist
-
-    env = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
-
-
-
 def test_registered_and_typed():
     from lightning.pytorch.strategies import StrategyRegistry
 

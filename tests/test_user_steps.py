@@ -226,7 +226,7 @@ def test_three_ranks_loss_patterns_match_single_process():
 
 # ---- single process: checks before launch, one device -------------------------------------------------------------
 
-from test_strategy import _isolate_in_process_trainers, _lightning_module  # noqa: E402,F401 - autouse fixture
+from test_strategy import _lightning_module  # noqa: E402
 
 
 def _quiet_trainer(**kwargs: Any):
