@@ -464,7 +464,6 @@ class ContextParallelMixin:
             self._warned_loss = True
             rank_zero_warn(message)
 
-
     def check_finite(self, loss: Any) -> None:
         """Raise (``FloatingPointError``) or warn once (``nonfinite_check``) if ``loss`` is NaN or infinite on any
         rank, naming where this rank's forward first stopped being finite: the first attention layer whose input
