@@ -22,12 +22,14 @@ Sparse ops (attribute ``supports_tiles = True``) also take ``tiles=`` (a
 :func:`~mtraining_kernels.indexing.step_tile_lists`) in both methods and then compute exactly the pairs the lists
 name (intersected with ``k_pos <= q_pos``), the same pairs as the Triton kernels.
 
-Attention variants are keywords of both methods, declared by ``supports_window`` / ``supports_softcap``:
-``window=`` (a sliding-window layer: pair allowed iff ``q_pos - window < k_pos <= q_pos``, token-exact) and
-``softcap=`` (scores ``softcap * tanh(s / softcap)`` before masking). :class:`TorchBlockOp` and :class:`FlexBlockOp`
-take both (the torch op's soft-capped chunks take its plain path: ATen's CPU flash kernels have no cap); the
-Triton kernels' op (``mtraining_kernels.vertical_slash.TritonBlockOp``) takes ``softcap=`` only (a window layer
-runs dense).
+Attention variants are keywords of both methods, declared by ``supports_window`` / ``supports_softcap`` /
+``supports_documents``: ``window=`` (a sliding-window layer: pair allowed iff ``q_pos - window < k_pos <= q_pos``,
+token-exact), ``softcap=`` (scores ``softcap * tanh(s / softcap)`` before masking) and ``doc_start=`` (packed
+documents: ``[B or 1, Sq]`` integers, query i of batch row b sees only keys ``k_pos >= doc_start[b, i]``, its
+document's first position). :class:`TorchBlockOp` and :class:`FlexBlockOp` take all three (the torch op's
+soft-capped chunks take its plain path: ATen's CPU flash kernels have no cap); the Triton kernels' op
+(``mtraining_kernels.vertical_slash.TritonBlockOp``) takes ``softcap=`` only (a window layer runs dense; packed
+documents run the torch op, see ``ring._documents_op``).
 
 Ops:
 
@@ -146,6 +148,7 @@ class TorchBlockOp:
     supports_tiles = True  # forward/backward take sparse tile lists (``tiles=``), see the module docstring
     supports_window = True  # and ``window=`` (sliding-window layers)
     supports_softcap = True  # and ``softcap=`` (tanh soft-capping of the scores)
+    supports_documents = True  # and ``doc_start=`` (packed documents: a per-row lower bound on key positions)
 
     def __init__(self, max_scores: int = 1 << 25, fused: bool = True, max_rows: int = 128) -> None:
         if max_scores < 1 or max_rows < 1:
@@ -266,10 +269,43 @@ class TorchBlockOp:
         return (False, m.expand(B, H, C, m.shape[-1]).reshape(B, Hkv, G * C, m.shape[-1]),
                 empty.expand(B, H, C).reshape(B, Hkv, G * C), keys)
 
-    def _mask(self, tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv):
+    def _mask(self, tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv, doc_start=None):
         if window is not None:
-            return self._window_mask(q_pos, k_pos, start, end, visible, window, B, H, Hkv)
-        return self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            base = self._window_mask(q_pos, k_pos, start, end, visible, window, B, H, Hkv)
+        else:
+            base = self._tile_mask(tiles, q_pos, k_pos, start, end, visible, B, H, Hkv)
+        if doc_start is None or base[0]:
+            return base
+        return self._document_mask(base, doc_start, q_pos, k_pos, start, end, visible, B, H, Hkv)
+
+    @staticmethod
+    def _document_mask(base, doc_start, q_pos, k_pos, start, end, visible, B, H, Hkv):
+        """``base`` (the contract of :meth:`_tile_mask`) intersected with packed documents: row q keeps the keys
+        ``k >= doc_start[b, q]``. The keys below every row's document start are not computed at all (the chunk's
+        key range starts at the first key of its earliest document), and a chunk whose keys all lie in earlier
+        documents is skipped."""
+        _, allowed, _, keys = base
+        lo = doc_start[:, start:end]  # [B', C] global position of each row's document's first token
+        first = int(torch.searchsorted(k_pos[:visible].contiguous(), lo.min().reshape(1)))
+        if first >= visible:
+            return True, None, None, None
+        C, G = end - start, H // Hkv
+        if keys is None:
+            kp = k_pos[first:visible]
+            if allowed is not None and first:
+                allowed = allowed[..., first:]
+            if first:
+                keys = torch.arange(first, visible, device=k_pos.device)
+        else:
+            kp = k_pos[keys]
+        n = kp.shape[0]
+        doc = (kp[None, None, :] >= lo[:, :, None]).unsqueeze(1)  # [B', 1, C, n]
+        if allowed is None:  # causal only
+            doc = doc & (kp[None, :] <= q_pos[start:end, None])
+        m = doc.expand(B, H, C, n).reshape(B, Hkv, G * C, n)
+        if allowed is not None:
+            m = m & allowed
+        return False, m, ~m.any(-1), keys
 
     @staticmethod
     def _keys(t: torch.Tensor, keys: torch.Tensor | None, visible: int) -> torch.Tensor:
@@ -282,10 +318,11 @@ class TorchBlockOp:
         else:
             acc.index_add_(2, keys, part.to(acc.dtype))
 
-    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, window=None, softcap=None):
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, window=None, softcap=None, doc_start=None):
         """See the module docstring; ``window``: keys with ``q - k >= window`` are masked (a sliding-window
         layer, Hugging Face's ``sliding_window``); ``softcap``: scores become ``softcap * tanh(s / softcap)``
-        before masking (Gemma 2's ``attn_logit_softcapping``)."""
+        before masking (Gemma 2's ``attn_logit_softcapping``); ``doc_start``: ``[B or 1, Sq]`` packed documents,
+        row q of batch row b sees only keys ``k >= doc_start[b, q]`` (its document's first position)."""
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
         _check_variant(tiles, window, softcap)
         G = H // Hkv
@@ -299,9 +336,10 @@ class TorchBlockOp:
             if visible == 0:
                 continue
             C = end - start
-            skip, allowed, empty, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, empty, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv,
+                                                    doc_start)
             if skip:
-                continue  # nothing of this chunk is in the pattern (or the window)
+                continue  # nothing of this chunk is in the pattern (or the window, or its documents)
             if fused:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D)
                 if allowed is None:
@@ -331,7 +369,8 @@ class TorchBlockOp:
             lse[..., q_pos < k_pos[0]] = float("-inf")
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None, window=None, softcap=None):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None, window=None, softcap=None,
+                 doc_start=None):
         B, H, Hkv, Sq, Sk, D = _check_block_inputs(q, k, v, q_pos, k_pos)
         _check_variant(tiles, window, softcap)
         G = H // Hkv
@@ -340,7 +379,8 @@ class TorchBlockOp:
         dk = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
         dv = torch.zeros(B, Hkv, Sk, D, dtype=adt, device=q.device)
         if self._use_fused(q, softcap):
-            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles, window)
+            return self._fused_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles, window,
+                                        doc_start)
         kf, vf = k.to(adt), v.to(adt)
         delta = (dout.to(adt) * out.to(adt)).sum(-1)  # [B, H, Sq]
         q5, do5 = q.view(B, Hkv, G, Sq, D), dout.view(B, Hkv, G, Sq, D)
@@ -348,7 +388,8 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv,
+                                                doc_start)
             if skip:
                 continue
             C = end - start
@@ -373,7 +414,8 @@ class TorchBlockOp:
             self._add_keys(dk, torch.matmul(ds.transpose(-1, -2), qc), keys, visible)
         return dq, dk, dv
 
-    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None, window=None):
+    def _fused_backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, dq, dk, dv, tiles=None, window=None,
+                        doc_start=None):
         B, H, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         G = H // Hkv
@@ -384,7 +426,8 @@ class TorchBlockOp:
         for start, end, full, visible in self._chunks(B, H, Sq, Sk, q_pos, k_pos):
             if visible == 0:
                 continue
-            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv)
+            skip, allowed, _, keys = self._mask(tiles, window, q_pos, k_pos, start, end, visible, B, H, Hkv,
+                                                doc_start)
             if skip:
                 continue
             C = end - start
@@ -441,8 +484,9 @@ class FlexBlockOp:
     change global torch settings.
     """
 
-    supports_window = True  # forward/backward/differentiable take ``window=`` and ``softcap=`` (see TorchBlockOp)
+    supports_window = True  # forward/backward/differentiable take ``window=``, ``softcap=`` and ``doc_start=``
     supports_softcap = True
+    supports_documents = True
 
     def __init__(self, tile: int = 128, compile: bool = True, cache_size: int = 256) -> None:
         self.tile = tile
@@ -452,7 +496,7 @@ class FlexBlockOp:
         # BlockMasks by the identity of the position tensors: the ring reuses the same position tensors for
         # every layer and step (see ring._positions), so each mask is built once. Entries keep the tensors
         # alive, so an id cannot be recycled while its entry exists.
-        self._masks: dict[tuple[int, int, int | None], tuple] = {}
+        self._masks: dict[tuple[int, int, int | None, int | None], tuple] = {}
         self._score_mods: dict[float, object] = {}  # one function per cap, so compiled graphs are reused
 
     def _fn(self):
@@ -462,39 +506,74 @@ class FlexBlockOp:
             self._flex = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
         return self._flex
 
-    def block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
+    def block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
+                   doc_start: torch.Tensor | None = None):
+        """The BlockMask of a block: tile classes from the positions (per batch row with ``doc_start``: a key tile
+        is fully visible to a query tile only if it starts at or after every query's document start, partially
+        if it ends at or after some query's), the token rule in ``mask_mod``."""
         from torch.nn.attention.flex_attention import BlockMask
 
         T = self.tile
         Sq, Sk = q_pos.shape[0], k_pos.shape[0]
         full, partial, qp, kp = tile_classes(q_pos, k_pos, T, T, window)
+        lo = None
+        if doc_start is not None:
+            nq = qp.shape[0] // T
+            lo = torch.zeros(doc_start.shape[0], nq * T, dtype=torch.int64, device=doc_start.device)
+            lo[:, :Sq] = doc_start
+            kp_real = torch.where(kp == torch.iinfo(torch.int64).max, -1, kp)  # the ragged edge's padding keys
+            lo_t = lo.view(-1, nq, T)
+            kmin = kp.view(-1, T).min(-1).values
+            kmax = kp_real.view(-1, T).max(-1).values
+            seen = (full | partial)[None] & (kmax[None, None, :] >= lo_t.min(-1).values[:, :, None])  # [B', nq, nk]
+            full = full[None] & (kmin[None, None, :] >= lo_t.max(-1).values[:, :, None])
+            partial = seen & ~full
+        else:
+            full, partial = full[None], partial[None]
 
         def lists(m: torch.Tensor):
             counts = m.sum(-1, dtype=torch.int32)
             order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-            return counts[None, None].contiguous(), order[None, None].contiguous()
+            return counts[:, None].contiguous(), order[:, None].contiguous()
 
         kv_num, kv_idx = lists(partial)
         full_num, full_idx = lists(full)
 
-        if window is None:
+        if lo is not None and lo.shape[0] == 1:  # one set of documents for every batch row
+            lo1 = lo[0]
+
+            def doc_mod(b, qi, ki):
+                return kp[ki] >= lo1[qi]
+        elif lo is not None:
+            def doc_mod(b, qi, ki):
+                return kp[ki] >= lo[b, qi]
+
+        if window is None and lo is None:
             def mask_mod(b, h, qi, ki):
                 return kp[ki] <= qp[qi]
-        else:
+        elif lo is None:
             def mask_mod(b, h, qi, ki):
                 return (kp[ki] <= qp[qi]) & (kp[ki] > qp[qi] - window)
+        elif window is None:
+            def mask_mod(b, h, qi, ki):
+                return (kp[ki] <= qp[qi]) & doc_mod(b, qi, ki)
+        else:
+            def mask_mod(b, h, qi, ki):
+                return (kp[ki] <= qp[qi]) & (kp[ki] > qp[qi] - window) & doc_mod(b, qi, ki)
 
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod,
                                         seq_lengths=(Sq, Sk))
 
-    def _cached_block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
-        key = (id(q_pos), id(k_pos), window)
+    def _cached_block_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
+                           doc_start: torch.Tensor | None = None):
+        # doc_start by identity too: the ring passes one tensor per batch to every layer and step
+        key = (id(q_pos), id(k_pos), window, None if doc_start is None else id(doc_start))
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) >= self.cache_size:
                 self._masks.pop(next(iter(self._masks)))
-            hit = self._masks[key] = (q_pos, k_pos, self.block_mask(q_pos, k_pos, window))
-        return hit[2]
+            hit = self._masks[key] = (q_pos, k_pos, doc_start, self.block_mask(q_pos, k_pos, window, doc_start))
+        return hit[3]
 
     def _score_mod(self, softcap: float | None):
         if softcap is None:
@@ -507,29 +586,30 @@ class FlexBlockOp:
             self._score_mods[softcap] = fn
         return fn
 
-    def _call(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None):
+    def _call(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None, doc_start=None):
         _check_variant(None, window, softcap)
         out, lse = self._fn()(q, k, v, score_mod=self._score_mod(softcap),
-                              block_mask=self._cached_block_mask(q_pos, k_pos, window), scale=scale,
+                              block_mask=self._cached_block_mask(q_pos, k_pos, window, doc_start), scale=scale,
                               enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
         return out, lse
 
-    def forward(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None):
+    def forward(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None, doc_start=None):
         _check_block_inputs(q, k, v, q_pos, k_pos)
-        out, lse = self._call(q, k, v, q_pos, k_pos, scale, window, softcap)
+        out, lse = self._call(q, k, v, q_pos, k_pos, scale, window, softcap, doc_start)
         return out, lse.float()
 
-    def differentiable(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None) -> torch.Tensor:
+    def differentiable(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None,
+                       doc_start=None) -> torch.Tensor:
         """The block's output with FlexAttention's own autograd (used when a ring has a single step)."""
-        return self._call(q, k, v, q_pos, k_pos, scale, window, softcap)[0]
+        return self._call(q, k, v, q_pos, k_pos, scale, window, softcap, doc_start)[0]
 
-    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, window=None, softcap=None):
+    def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, window=None, softcap=None, doc_start=None):
         # With w = exp(lse_blk - lse): out = sum_blk w * out_blk, so dL/dout_blk = w * dout and
         # dL/dlse_blk = w * rowsum(dout * (out_blk - out)). Pushing these through FlexAttention's own backward
         # gives dS = P_blk * w * (dP - rowsum(dout*out)) = P * (dP - D): the flash backward with the global lse.
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out_blk, lse_blk = self._call(qd, kd, vd, q_pos, k_pos, scale, window, softcap)
+            out_blk, lse_blk = self._call(qd, kd, vd, q_pos, k_pos, scale, window, softcap, doc_start)
             lse_blk32 = lse_blk.float()
             w = torch.where(torch.isfinite(lse_blk32), torch.exp(lse_blk32 - lse.float()), torch.zeros_like(lse_blk32))
             d_out = (dout.float() * w.unsqueeze(-1)).to(out_blk.dtype)

@@ -71,7 +71,13 @@ import torch.distributed as dist
 from lightning_mtraining._profiling import ESTIMATE, profiled
 from lightning_mtraining.attention_ops import default_scale
 from lightning_mtraining.collectives import all_gather_stacked, named_failure, reduce_scatter_dim0
-from lightning_mtraining.layouts import check_attention_inputs, check_local_length, global_positions, layout_unit
+from lightning_mtraining.layouts import (
+    check_attention_inputs,
+    check_doc_start,
+    check_local_length,
+    global_positions,
+    layout_unit,
+)
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 
 __all__ = ["attention_recall", "estimate_pattern"]
@@ -188,7 +194,7 @@ class _Probe:
     """The probe rows of one call, every rank's share of them, and the global softmax normaliser."""
 
     def __init__(self, q, k, rows_pos: torch.Tensor, group, cp_rank: int, cp_size: int, layout: str,
-                 block_size: int, scale: float) -> None:
+                 block_size: int, scale: float, doc_start: torch.Tensor | None = None) -> None:
         B, H, S, D = q.shape
         self.B, self.H, self.Hkv, self.D = B, H, k.shape[1], D
         self.n = rows_pos.shape[1]
@@ -202,13 +208,19 @@ class _Probe:
         self.k = k
         self.q_in = self._gather_rows(q)  # [B, H, n, D] in the input dtype
         self.q_rows = self.q_in.to(self.cdt)
-        self.block = _triton_block(q, self.n, self.n_total, cp_rank, cp_size, layout, block_size)
+        # packed documents: each probe row sees only keys >= its document's first position (rows_lo [B, n])
+        self.rows_lo = None
+        if doc_start is not None:
+            self.rows_lo = self._gather_rows(doc_start.expand(B, S)[:, None, :, None].contiguous())[:, 0, :, 0]
+        self.block = 0 if doc_start is not None else _triton_block(q, self.n, self.n_total, cp_rank, cp_size, layout,
+                                                                   block_size)
         self.lse = self._global_lse()  # [B, H, n]
 
     def _gather_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H', S, D']``'s rows at the probe positions, from whichever rank holds each (an all-reduce)."""
         loc = torch.searchsorted(self.pos, self.rows_pos).clamp(max=self.pos.numel() - 1)  # [B, n]
         mine = self.pos[loc] == self.rows_pos
-        rows = torch.gather(q, 2, loc[:, None, :, None].expand(self.B, self.H, self.n, self.D))
+        rows = torch.gather(q, 2, loc[:, None, :, None].expand(self.B, q.shape[1], self.n, q.shape[3]))
         rows = torch.where(mine[:, None, :, None], rows, torch.zeros((), dtype=q.dtype, device=q.device))
         if self.cp_size > 1:
             rows = rows.contiguous()
@@ -231,6 +243,8 @@ class _Probe:
             s = torch.matmul(q5, kc.transpose(-1, -2)) * self.scale  # [B, Hkv, G*n, Pc*R]
             s = s.view(self.B, self.H, self.n, Pc, R)
             visible = valid[None, None, None] & (kpos[None, None, None] <= self.rows_pos[:, None, :, None, None])
+            if self.rows_lo is not None:
+                visible = visible & (kpos[None, None, None] >= self.rows_lo[:, None, :, None, None])
             yield sl, kpos, visible, s.masked_fill(~visible, float("-inf"))
 
     def _global_lse(self) -> torch.Tensor:
@@ -396,6 +410,19 @@ def _forced(count: int, lens: list[int], shape: tuple[int, int], device) -> torc
     return torch.where(idx < lens_t, idx, torch.full((), -1, dtype=torch.int64, device=device))
 
 
+def _gathered_forced(flags: torch.Tensor, group, cp_size: int, n_total: int, layout: str,
+                     block_size: int) -> torch.Tensor:
+    """``[B, 1, m]`` global positions of the keys forced on any rank (``flags [B, S]`` this rank's), ascending,
+    -1 padding (m: the most of any row). One all-gather of the flags, one host sync for m."""
+    every = all_gather_stacked(flags.to(torch.uint8), group, cp_size).bool()  # [W, B, S]
+    pos = torch.stack([global_positions(n_total, r, cp_size, layout, block_size, device=flags.device)
+                       for r in range(cp_size)]) if cp_size > 1 else torch.arange(n_total, device=flags.device)[None]
+    where = torch.where(every, pos[:, None, :], torch.full((), -1, dtype=torch.int64, device=flags.device))
+    where = where.permute(1, 0, 2).reshape(flags.shape[0], -1)  # [B, N]
+    m = max(1, int(every.sum((0, 2)).max()))
+    return _sorted_indices(torch.topk(where, m, dim=-1).values)[:, None, :]
+
+
 def _sorted_indices(*parts: torch.Tensor) -> torch.Tensor:
     """Concatenate index tensors, sort each row ascending, padding (-1) last."""
     idx = torch.cat(parts, dim=-1)
@@ -421,6 +448,7 @@ def estimate_pattern(
     seq_len: int | Sequence[int] | torch.Tensor | None = None,
     scale: float | None = None,
     layer_idx: int | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> VerticalSlashPattern:
     """Estimate the vertical-slash pattern of this layer from the current Q and K of the whole (sharded) sequence.
 
@@ -434,6 +462,14 @@ def estimate_pattern(
             default: no padding (the full ``S * cp_size``).
         scale: softmax scale, default ``1 / sqrt(D)``.
         layer_idx: which layer this is, for per-layer budgets (``config.budgets``).
+        doc_start: packed documents (``[B or 1, S]``, for each of this rank's tokens the global position of its
+            document's first token; :func:`~lightning_mtraining.layouts.document_starts`): the scores ``A`` of a
+            probe row cover only the keys of its own document, and the forced verticals are the first
+            ``sink_tokens`` positions of *every* document (each document's attention sinks), so their number grows
+            with the documents. The probes stay the last ``last_q`` real positions, which lie in the row's last
+            document(s): the slashes (offsets, the same in every document) are estimated there and apply to all
+            documents, masked at their boundaries; the chosen verticals mostly serve the probes' document. Costs one
+            all-gather of ``B x S`` bytes more (the forced flags) and runs the torch scorer.
 
     Returns:
         The same global :class:`VerticalSlashPattern` on every rank of ``group``: ``[B, G, sink + k]`` verticals and
@@ -458,16 +494,23 @@ def estimate_pattern(
     vert_budget, slash_budget = config.head_budgets(G, layer_idx)
     dev = q.device
     lens_t = _device_ints(tuple(lens), dev)
+    if doc_start is not None:
+        # every rank keeps it (even where all its tokens lie in first documents): collectives follow
+        doc_start = check_doc_start(doc_start, q, _local_keys(n_total, cp_rank, cp_size, layout, block_size, n,
+                                                              dev)[0], drop_single=False)
     with torch.no_grad():
         rows_pos = lens_t[:, None] - n + torch.arange(n, device=dev)[None, :]  # [B, n]
-        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
+        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale, doc_start)
         N = n_total
         vert, slash = _scores(probe, G) if not probe.block else _triton_scores(probe, G)
         # rank r receives the exact sums of the offsets [r N/W, (r+1) N/W)
         owned = reduce_scatter_dim0(slash.view(B, G, cp_size, N // cp_size).permute(2, 0, 1, 3), group, cp_size)
         off_idx = torch.arange(N // cp_size, device=dev) + cp_rank * (N // cp_size)
         lens_b = lens_t[:, None, None]
-        v_forced = probe.pos[None, None, :] < config.sink_tokens
+        if doc_start is None:
+            v_forced = probe.pos[None, None, :] < config.sink_tokens
+        else:  # every document's first sink_tokens positions
+            v_forced = ((probe.pos[None, :] - doc_start) < config.sink_tokens)[:, None, :] & (probe.pos < lens_b)
         v_cand = ~v_forced & (probe.pos[None, None, :] < lens_b)
         s_forced = off_idx[None, None, :] < config.local_window
         s_cand = ~s_forced & (off_idx[None, None, :] < lens_b)
@@ -475,7 +518,11 @@ def estimate_pattern(
                         group, cp_size)
         s_sel = _select(owned, off_idx[None, :], s_cand, s_forced.expand_as(owned), slash_budget, config.top_p,
                         group, cp_size)
-        vertical_idx = _sorted_indices(_forced(config.sink_tokens, lens, (B, G), dev), v_sel)
+        if doc_start is None:
+            forced_v = _forced(config.sink_tokens, lens, (B, G), dev)
+        else:
+            forced_v = _gathered_forced(v_forced[:, 0], group, cp_size, n_total, layout, block_size).expand(B, G, -1)
+        vertical_idx = _sorted_indices(forced_v, v_sel)
         slash_idx = _sorted_indices(_forced(config.local_window, lens, (B, G), dev), s_sel)
     return VerticalSlashPattern(vertical_idx, slash_idx, tile_size=config.tile_size)
 
@@ -547,6 +594,7 @@ def attention_recall(
     block_size: int = 128,
     seq_len: int | Sequence[int] | torch.Tensor | None = None,
     scale: float | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Share of the true attention mass that ``pattern`` keeps, averaged over a sample of query rows.
 
@@ -558,6 +606,8 @@ def attention_recall(
     Args:
         rows: a count (default 64, evenly spaced over each row's real sequence, the last position included), or
             global positions ``[r]`` / ``[B, r]``.
+        doc_start: packed documents, as in :func:`estimate_pattern`: each row's true attention covers its own
+            document only.
 
     Returns:
         ``[B, G]`` float64 recall per batch row and pattern head (for a per-KV-group pattern, averaged over the
@@ -585,7 +635,10 @@ def attention_recall(
         rows_pos = _recall_rows(rows, lens, dev)
         if bool((rows_pos < 0).any()) or bool((rows_pos >= _device_ints(tuple(lens), dev)[:, None]).any()):
             raise ValueError(f"{what}: rows must be real positions of each sequence (0 <= row < seq_len {lens})")
-        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale)
+        if doc_start is not None:
+            doc_start = check_doc_start(doc_start, q, _local_keys(n_total, cp_rank, cp_size, layout, block_size,
+                                                                  rows_pos.shape[1], dev)[0], drop_single=False)
+        probe = _Probe(q, k, rows_pos, group, cp_rank, cp_size, layout, block_size, scale, doc_start)
         comp = computed_tile_offsets(full.slash_idx.to(dev), n_total, T, T)  # [B, H, NT]
         NT = comp.shape[-1]
         v = full.vertical_idx.to(dev)

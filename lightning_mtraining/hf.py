@@ -117,9 +117,12 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
     if min(lengths) < sparsity.last_q:
         return None
 
+    doc_start = current.doc_start if current is not None else None
+
     def estimate():
         return resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
-                               block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx)
+                               block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
+                               doc_start=doc_start)
 
     if schedule is None:
         return estimate()
@@ -128,7 +131,8 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
         recall = None
         if schedule.measuring_recall:
             recall = attention_recall(query, key, pattern, rows=schedule.recall_rows, group=cfg.group,
-                                      layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling)
+                                      layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling,
+                                      doc_start=doc_start)
         schedule.record(layer_idx, pattern, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
                         plan.inner_size, recall)
     return pattern
@@ -199,6 +203,7 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
         scale=scaling,
         window=window,
         softcap=softcap,
+        doc_start=cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None,
     )
 
 
@@ -443,14 +448,16 @@ class PreparedModel:
             # it a no-op for every real token, and padded targets are -100.
             kwargs["attention_mask"] = None
         given = kwargs.get("position_ids")
+        # packed documents: the batch's own position_ids (per document, for RoPE); else the global positions
+        expected = cur.doc_position_ids if cur.doc_start is not None else cur.position_ids
         if given is None:
-            kwargs["position_ids"] = cur.position_ids
-        elif given.shape[-1] != cur.local_len or not bool((given == cur.position_ids).all()):
+            kwargs["position_ids"] = expected
+        elif given.shape[-1] != cur.local_len or not bool((given == expected).all()):
             raise ValueError(
-                f"{name} received position_ids that are not the tokens' global positions (packed documents "
-                "restart them at 0?): ring attention lets every token see all earlier tokens of the sequence, so "
-                "packed documents would attend to each other. Per-document attention is not supported yet: pass no "
-                "position_ids (the strategy supplies them), one document per sequence"
+                f"{name} received position_ids that are neither the tokens' global positions nor the sharded batch's "
+                "own position_ids: the document boundaries of a packed sequence are read from the batch when the "
+                "strategy shards it. Put position_ids in the batch (packed documents restart them at 0) and pass "
+                "the sharded batch's position_ids, or none"
             )
         if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
             raise ValueError(
@@ -468,7 +475,7 @@ class PreparedModel:
             found = cur.targets_for(labels)
             if found is None:  # labels built in training_step: shift them over the CP group
                 found = shift_labels_sharded(
-                    labels, cur.valid, group=plan.group, cp_rank=plan.cp_rank, cp_size=plan.cp_size,
+                    labels, cur.target_valid, group=plan.group, cp_rank=plan.cp_rank, cp_size=plan.cp_size,
                     layout=plan.layout, block_size=plan.block_size,
                 )
             kwargs["shift_labels"], count = found

@@ -35,8 +35,8 @@ import torch
 Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
 
-__all__ = ["LAYOUTS", "Layout", "check_attention_inputs", "check_local_length", "global_positions", "layout_unit",
-           "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "Layout", "check_attention_inputs", "check_doc_start", "check_local_length", "document_starts",
+           "global_positions", "layout_unit", "shard_sequence", "unshard_sequence"]
 
 
 def check_attention_inputs(q: Any, k: Any, v: Any = None, what: str = "") -> None:
@@ -81,6 +81,59 @@ def check_local_length(local_len: int, cp_size: int, layout: str, block_size: in
             f"before sharding (the strategy does this for you)"
         )
     return unit
+
+
+def check_doc_start(doc_start: torch.Tensor | None, q: torch.Tensor, q_pos: torch.Tensor,
+                    drop_single: bool = True) -> torch.Tensor | None:
+    """A valid ``doc_start`` (packed documents: for each of this rank's tokens, the global position of its
+    document's first token) for queries ``q [B, H, S, D]`` at global positions ``q_pos [S]``: int64 on q's device, or
+    None when every token here lies in a row's first document and ``drop_single`` (nothing to mask locally; a
+    decision of this rank alone, so callers whose next step is a collective pass ``drop_single=False``). One host
+    sync."""
+    if doc_start is None:
+        return None
+    B, S = q.shape[0], q.shape[2]
+    if not isinstance(doc_start, torch.Tensor) or doc_start.dim() != 2 or doc_start.shape[1] != S \
+            or doc_start.shape[0] not in (1, B) or doc_start.is_floating_point():
+        got = tuple(doc_start.shape) if isinstance(doc_start, torch.Tensor) else type(doc_start).__name__
+        raise ValueError(
+            f"doc_start must be an integer tensor [batch or 1, local length] = [{B} or 1, {S}] holding, for each of "
+            f"this rank's tokens, the global position of its document's first token; got {got}"
+        )
+    doc_start = doc_start.to(device=q.device, dtype=torch.int64)
+    bad = (doc_start < 0) | (doc_start > q_pos[None, :])
+    flags = torch.stack([bad.any(), (doc_start > 0).any()]).tolist()
+    if flags[0]:
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"doc_start[{b}, {i}] = {int(doc_start[b, i])} is outside [0, {int(q_pos[i])}] (the token's own global "
+            "position): a token's document starts at or before it"
+        )
+    return doc_start if flags[1] or not drop_single else None
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Packed documents from Hugging Face style ``position_ids [B, S]``: for each token, the index of its document's
+    first token (``[B, S]`` int64), or None when no row holds more than one document.
+
+    A document starts wherever a row's position does not continue the previous one (``p[i] != p[i - 1] + 1``): the
+    rule of ``transformers.masking_utils.find_packed_sequence_indices``, so a packed batch attends exactly as it
+    does on one device with SDPA. Packing pipelines (``DataCollatorWithFlattening``) restart each document at 0.
+
+    Raises:
+        ValueError: ``position_ids`` is not an integer ``[batch, seq]`` tensor.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must be an integer [batch, seq] tensor, got {got}")
+    p = position_ids.to(torch.int64)
+    B, S = p.shape
+    restart = p[:, 1:] != p[:, :-1] + 1  # [B, S - 1]: token i + 1 starts a new document
+    if not bool(restart.any()):
+        return None
+    idx = torch.arange(S, device=p.device).expand(B, S)
+    first = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=p.device), restart], dim=1)
+    return torch.where(first, idx, torch.zeros_like(idx)).cummax(dim=1).values
 
 
 def _check_layout(layout: str, world_size: int, block_size: int) -> None:

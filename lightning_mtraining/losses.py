@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_mtraining.layouts import document_starts
 from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shard_of, shift_labels, shift_labels_sharded
 
 __all__ = [
@@ -134,6 +135,20 @@ def _labels_tensor(labels: Any) -> torch.Tensor:
     return labels
 
 
+def _within_documents(targets: torch.Tensor, position_ids: Any, ignore_index: int) -> torch.Tensor:
+    """Whole-sequence next-token ``targets`` with -100 where the next token starts a packed document (read from the
+    batch's ``position_ids``, :func:`~lightning_mtraining.layouts.document_starts`); unchanged otherwise."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point() \
+            or position_ids.shape[-1] != targets.shape[-1]:
+        return targets
+    doc = document_starts(position_ids)
+    if doc is None:
+        return targets
+    first = (doc == torch.arange(doc.shape[-1], device=doc.device)).to(targets.device)
+    crosses = torch.cat([first[:, 1:], torch.zeros_like(first[:, :1])], dim=1).expand_as(targets)
+    return targets.masked_fill(crosses, ignore_index)
+
+
 def _aligned_targets(
     labels: Any, logits: torch.Tensor | None, shifted: bool, ignore_index: int
 ) -> tuple[torch.Tensor, int | torch.Tensor, ShardedBatch | None]:
@@ -145,6 +160,8 @@ def _aligned_targets(
         found = shard_of(logits)
     if found is None:  # a whole sequence: one device, plain DDP or context_parallel_size=1
         targets = tensor if shifted else shift_labels(tensor, None, ignore_index)
+        if not shifted and isinstance(labels, Mapping):  # packed documents: no target crosses a boundary
+            targets = _within_documents(targets, labels.get("position_ids"), ignore_index)
         return targets, (targets != ignore_index).sum(), None
     sharded, key = found
     if via_labels and not shifted and key in sharded.targets:
@@ -157,7 +174,7 @@ def _aligned_targets(
         )
     if not shifted:  # labels built in the step: shift them over the CP group
         targets, count = shift_labels_sharded(
-            tensor, sharded.valid, group=sharded.group, cp_rank=sharded.cp_rank, cp_size=sharded.cp_size,
+            tensor, sharded.target_valid, group=sharded.group, cp_rank=sharded.cp_rank, cp_size=sharded.cp_size,
             layout=sharded.layout, block_size=sharded.block_size, ignore_index=ignore_index,
         )
         return targets, count, sharded
@@ -199,7 +216,9 @@ def causal_lm_loss(
     on every rank of the CP group, and the gradient is this rank's share, so that DDP's average is the
     full-sequence gradient (Note [Exact losses and gradients] in :mod:`lightning_mtraining.hf`); the result is
     marked for the strategy's loss check. On a whole sequence it is Hugging Face's causal-LM loss. Computed in
-    float32 whatever the logits' dtype.
+    float32 whatever the logits' dtype. Packed documents (``position_ids`` that restart): no target crosses a
+    boundary, read from the shard's record under context parallelism, and on a whole sequence from the batch, so
+    pass the batch there (a bare labels tensor carries no boundaries).
     """
     targets, count, sharded = _aligned_targets(labels, logits, shifted, ignore_index)
     if tuple(logits.shape[:-1]) != tuple(targets.shape):

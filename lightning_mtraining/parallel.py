@@ -44,9 +44,10 @@ from lightning_mtraining.hf import (
     prepare_model,
     validate_model,
 )
+from lightning_mtraining.layouts import document_starts
 from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
-from lightning_mtraining.sharding import shard_batch, sparse_padding_multiple
+from lightning_mtraining.sharding import IGNORE_INDEX, shard_batch, sparse_padding_multiple
 
 __all__ = ["ContextParallel", "apply_context_parallel", "check_sparsity_args", "restore_batch_type"]
 
@@ -79,7 +80,8 @@ class ContextParallel:
 
     Attributes: ``plan`` (this rank's place and the current batch), ``models`` (the Hugging Face models found),
     ``prepared`` (those switched to ring attention: none with one CP rank and dense attention, where models keep
-    their own), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when every layer is
+    their own), ``packed`` (with those, the hooks that make their attention honour packed documents,
+    :class:`PackedDocuments`), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when every layer is
     dense), ``pad_multiple`` (sequence padding asked by sparse tiles).
     """
 
@@ -108,6 +110,7 @@ class ContextParallel:
         self.models = models
         self.prepared: list[PreparedModel] = []
         self.fused: list[FusedLoss] = []
+        self.packed: list[PackedDocuments] = []
         self.schedule: AttentionSchedule | None = None
         self.pad_multiple = 1
         layers = sorted({m.layer_idx for model in models for m in attention_modules(model)})
@@ -125,6 +128,8 @@ class ContextParallel:
             self.schedule = schedule if configs else None
             plan.schedule = self.schedule
             self.prepared = [prepare_model(m, plan, layer_sparsity) for m in models]
+        else:  # the models keep their own attention: make it honour packed documents (before the fused loss hook)
+            self.packed = [PackedDocuments(m) for m in models]
         self.watch = NonFiniteWatch(models) if watch_nonfinite else None
         if fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
             backend = "auto" if fused_loss is True else fused_loss
@@ -171,11 +176,60 @@ class ContextParallel:
             self.watch = None
         for fused in self.fused:
             fused.restore()
-        for prepared in self.prepared:
-            prepared.restore()
-        self.fused, self.prepared = [], []
+        for hooked in (*self.prepared, *self.packed):
+            hooked.restore()
+        self.fused, self.prepared, self.packed = [], [], []
         self.plan.current = None
         self.plan.schedule = None
+
+
+class PackedDocuments:
+    """Packed documents on one device with the model's own attention (no ring attention installed).
+
+    ``transformers`` reads packed documents from ``position_ids`` only when no ``attention_mask`` and no cache is
+    passed (``masking_utils.find_packed_sequence_indices`` in ``_preprocess_mask_arguments``), and a training forward
+    of a model whose config has ``use_cache=True`` (the default) creates a cache: the documents would silently attend
+    to each other. For a forward whose ``position_ids`` restart (:func:`~lightning_mtraining.layouts.document_starts`)
+    this pre-hook passes ``use_cache=False``, drops an all-ones ``attention_mask``, and sets ``labels`` to -100 at each
+    document's first token (no target crosses a boundary, as under context parallelism). :meth:`restore` removes it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+
+    def restore(self) -> None:
+        self._handle.remove()
+
+    @staticmethod
+    def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        pid = kwargs.get("position_ids")
+        if not isinstance(pid, torch.Tensor) or pid.dim() != 2 or pid.is_floating_point() \
+                or kwargs.get("past_key_values") is not None:
+            return None
+        doc = document_starts(pid)
+        if doc is None:
+            return None
+        name = type(module).__name__
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+                raise ValueError(
+                    f"{name} received packed documents (position_ids that restart) together with an attention_mask "
+                    "that is not all ones: transformers then ignores the document boundaries. Pack without padding "
+                    "(or pad at the end of the last document, continuing its positions) and pass no attention_mask"
+                )
+            kwargs["attention_mask"] = None
+        if kwargs.get("use_cache"):
+            raise ValueError(
+                f"{name} received packed documents with use_cache=True: transformers then ignores the document "
+                "boundaries. Pass use_cache=False (or nothing) when training on packed sequences"
+            )
+        kwargs["use_cache"] = False
+        labels = kwargs.get("labels")
+        if isinstance(labels, torch.Tensor) and labels.shape[-1] == doc.shape[-1]:
+            first = doc == torch.arange(doc.shape[-1], device=doc.device)
+            kwargs["labels"] = labels.masked_fill(first.to(labels.device).expand_as(labels), IGNORE_INDEX)
+        return args, kwargs
 
 
 def apply_context_parallel(

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Iterator
 
 import torch
@@ -67,7 +68,12 @@ from lightning_mtraining.attention_ops import (
 )
 from lightning_mtraining.collectives import named_failure
 from lightning_mtraining.estimation import estimate_pattern
-from lightning_mtraining.layouts import check_attention_inputs, check_local_length, global_positions
+from lightning_mtraining.layouts import (
+    check_attention_inputs,
+    check_doc_start,
+    check_local_length,
+    global_positions,
+)
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 from mtraining_kernels.indexing import (
     TileLists,
@@ -260,9 +266,33 @@ def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, 
 
 
 def _step(plan: StepLists | None, src: int, skip_dense: dict[int, bool] | None = None) -> tuple[TileLists | None, bool]:
+    """The step's lists and whether it computes nothing: ``skip_dense`` (window or document skips) holds for the
+    dense and the sparse ring alike."""
+    extra = bool(skip_dense and skip_dense.get(src, False))
     if plan is None:
-        return None, bool(skip_dense and skip_dense.get(src, False))
-    return plan.for_source(src)
+        return None, extra
+    tiles, skip = plan.for_source(src)
+    return tiles, skip or extra
+
+
+def document_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, doc_start: torch.Tensor) -> dict[int, bool]:
+    """For packed documents: which source ranks' chunks hold no key of any of this rank's queries' documents
+    (``doc_start[b, q] <= k <= q`` for no row), so their ring steps compute nothing. One host sync."""
+    q_pos = positions[cp_rank]
+    lo = doc_start.reshape(-1, q_pos.shape[0])
+    hits = []
+    for k_pos in positions:
+        hi = torch.searchsorted(k_pos, q_pos, right=True)  # keys <= q
+        first = torch.searchsorted(k_pos, lo.contiguous())  # first key >= the document's start
+        hits.append((hi[None, :] > first).any())
+    work = torch.stack(hits).tolist()
+    return {src: not w for src, w in enumerate(work)}
+
+
+def _merge_skips(a: dict[int, bool] | None, b: dict[int, bool] | None) -> dict[int, bool] | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return {src: a.get(src, False) or b.get(src, False) for src in set(a) | set(b)}
 
 
 def window_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, window: int | None) -> dict[int, bool] | None:
@@ -433,12 +463,13 @@ def resolve_pattern(
     seq_len=None,
     scale: float | None = None,
     layer_idx: int | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> VerticalSlashPattern:
     """The layer's global pattern: estimated online from a ``SparsityConfig``, or a given pattern, validated."""
     n = q.shape[2] * cp_size
     if isinstance(sparsity, SparsityConfig):
         pattern = estimate_pattern(q, k, sparsity, group=group, layout=layout, block_size=block_size,
-                                   seq_len=seq_len, scale=scale, layer_idx=layer_idx)
+                                   seq_len=seq_len, scale=scale, layer_idx=layer_idx, doc_start=doc_start)
     elif isinstance(sparsity, VerticalSlashPattern):
         pattern = sparsity.to(q.device) if sparsity.device != q.device else sparsity
         pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
@@ -482,9 +513,10 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
                      not work[-1] if gather else True, owned)
 
 
-def attention_variant(window: int | None = None, softcap: float | None = None) -> dict:
+def attention_variant(window: int | None = None, softcap: float | None = None,
+                      doc_start: torch.Tensor | None = None) -> dict:
     """The block op keywords of an attention variant (only those set: plain causal attention passes none)."""
-    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+    return {k: v for k, v in (("window", window), ("softcap", softcap), ("doc_start", doc_start)) if v is not None}
 
 
 def _check_window(window: int | None, n: int) -> int | None:
@@ -494,6 +526,31 @@ def _check_window(window: int | None, n: int) -> int | None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int (query q sees key k iff q - window < k <= q), got {window!r}")
     return None if window >= n else window
+
+
+_warned_documents: set[str] = set()
+
+
+def _documents_op(op: BlockAttentionOp, given: bool) -> BlockAttentionOp:
+    """An op that computes packed documents: ``op`` if it does; the chunked torch op in place of a default op that
+    does not (the sparse Triton kernels have no per-row document bound yet; warned once per op type, since it is
+    exact but slower on CUDA); a clear error for a user's op that does not."""
+    if getattr(op, "supports_documents", False):
+        return op
+    if given:
+        raise ValueError(
+            f"doc_start (packed documents): the block op {op!r} does not compute it (supports_documents is not set); "
+            "pass op=None for the default"
+        )
+    name = type(op).__name__
+    if name not in _warned_documents:
+        _warned_documents.add(name)
+        warnings.warn(
+            f"packed documents: {name} has no per-document mask, so attention over packed documents runs the chunked "
+            "torch op (TorchBlockOp) instead: exact, but slower than the CUDA kernels on long sequences",
+            stacklevel=3,
+        )
+    return TorchBlockOp()
 
 
 def _variant_op(op: BlockAttentionOp, window: int | None, softcap: float | None) -> BlockAttentionOp:
@@ -543,6 +600,7 @@ def ring_attention(
     verticals: str = "gathered",
     window: int | None = None,
     softcap: float | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -575,6 +633,15 @@ def ring_attention(
             ``attn_logit_softcapping``). Sparse: the pattern is estimated from uncapped scores (the cap is
             monotonic, so each row's ranking of keys is the same), the attention over it is capped (the Triton
             kernels apply the cap on CUDA; their Gluon variants do not, so a capped layer runs the Triton ones).
+        doc_start: packed documents: ``[B or 1, S]`` integers, for each of this rank's tokens the global position of
+            its document's first token (:attr:`~lightning_mtraining.sharding.ShardedBatch.doc_start`); a token sees
+            only keys of its own document (``doc_start <= k <= q``), in the dense and the sparse ring. Ring steps
+            with no key in any of this rank's documents compute nothing, and within a step the torch op computes no
+            key below its query chunk's earliest document. A sparse pattern is estimated with the same mask and
+            forces every document's first ``sink_tokens`` keys (:func:`~lightning_mtraining.estimation.
+            estimate_pattern`). Ops: the dense ring's FlexAttention on CUDA and the torch op mask documents; the
+            sparse Triton kernels have no per-document bound yet, so a sparse ring over packed documents runs the
+            chunked torch op (:class:`TorchBlockOp`) on CUDA: exact but slower (warned once).
 
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.
@@ -585,12 +652,19 @@ def ring_attention(
     n = q.shape[2] * topo.cp_size
     positions = _positions(n, topo.cp_size, layout, block_size, q.device)
     window = _check_window(window, n)
-    variant = attention_variant(window, softcap)
+    given_docs = doc_start  # the estimator validates it itself, on every rank (its collectives need all of them)
+    doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])  # None here: nothing to mask on this rank
+    variant = attention_variant(window, softcap, doc_start)
+    user_op = op is not None
+    doc_skips = document_skips(positions, topo.cp_rank, doc_start) if doc_start is not None else None
     if sparsity is None or window is not None:
         op = _variant_op(default_block_op(q.device) if op is None else op, window, softcap)
+        if doc_start is not None:
+            op = _documents_op(op, user_op)
         if topo.cp_size == 1 and hasattr(op, "differentiable"):
             return op.differentiable(q, k, v, positions[0], positions[0], scale, **variant)
-        skips = _window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window)
+        skips = _merge_skips(_window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window),
+                             doc_skips)
         return _RingAttention.apply(q, k, v, topo, positions, op, scale, None, None, variant, skips)
     if topo.cp_size > 1 and group is None and topo.outer_size > 1:
         raise ValueError(
@@ -599,10 +673,13 @@ def ring_attention(
         )
     est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
     pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
-                              block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx)
+                              block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx,
+                              doc_start=given_docs)
     op = _variant_op(_sparse_op(op, q.device, pattern.tile_size), None, softcap)
+    if doc_start is not None:
+        op = _documents_op(op, user_op)
     gather = verticals if topo.cp_size > 1 else "arrival"  # one rank holds every vertical already
     plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n, gather)
     if topo.cp_size == 1 and hasattr(op, "differentiable") and not plan.skip[0]:
         return op.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0], **variant)
-    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan, est_group, variant, None)
+    return _RingAttention.apply(q, k, v, topo, positions, op, scale, plan, est_group, variant, doc_skips)

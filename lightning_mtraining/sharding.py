@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mtraining.layouts import global_positions, layout_unit, shard_sequence, unshard_sequence
+from lightning_mtraining.layouts import document_starts, global_positions, layout_unit, shard_sequence, unshard_sequence
 
 __all__ = [
     "IGNORE_INDEX",
@@ -81,6 +81,12 @@ class ShardedBatch:
         cp_rank, cp_size, layout, block_size: how the batch was split.
         group: the context-parallel process group (``None``: the default group, or a single process).
         lengths: the real (unpadded) length of every row of the whole sequence (host ints).
+        doc_start: packed documents (the batch's ``position_ids`` restart, see
+            :func:`~lightning_mtraining.layouts.document_starts`): ``[B, L]`` for each of this shard's tokens the
+            global position of its document's first token (what :func:`~lightning_mtraining.ring.ring_attention`
+            takes); None when every row is one document.
+        doc_position_ids: with packed documents, this shard of the batch's own ``position_ids`` (per document, for
+            RoPE), else None.
     """
 
     batch: dict[str, Any]
@@ -96,10 +102,20 @@ class ShardedBatch:
     block_size: int = 128
     group: dist.ProcessGroup | None = None
     lengths: list[int] = dataclasses.field(default_factory=list)
+    doc_start: torch.Tensor | None = None
+    doc_position_ids: torch.Tensor | None = None
 
     @property
     def local_len(self) -> int:
         return self.position_ids.shape[-1]
+
+    @property
+    def target_valid(self) -> torch.Tensor:
+        """``[B, L]``: tokens that may be a target: real, and not the first token of a packed document (the last
+        token of the document before it predicts nothing across the boundary)."""
+        if self.doc_start is None:
+            return self.valid
+        return self.valid & (self.doc_start != self.position_ids)
 
     def targets_for(self, labels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """The shifted shard and global count for ``labels`` if it is one of this batch's tensors (by identity)."""
@@ -179,7 +195,11 @@ def shard_batch(
 
     Every tensor whose first two dims are ``[B or 1, S]`` (``input_ids``, ``labels``, ``attention_mask``,
     ``position_ids``, ``token_type_ids``, ...) is padded to P and sharded along dim 1; other values pass through.
-    Padding values: ``labels`` -100, ``position_ids`` continue counting, everything else 0. Each shard is
+    Padding values: ``labels`` -100, ``position_ids`` continue counting, everything else 0.
+
+    Packed documents: ``position_ids`` that restart (:func:`~lightning_mtraining.layouts.document_starts`) give
+    :attr:`ShardedBatch.doc_start`, and no target crosses a document boundary (the last token of a document gets
+    -100, as ``DataCollatorWithFlattening`` does). Each shard is
     tagged with the returned record (:func:`shard_of`), which must stay referenced while the shards are used
     (the strategies keep the current one).
 
@@ -223,6 +243,16 @@ def shard_batch(
     def shard(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, 1, cp_rank, cp_size, layout, block_size)
 
+    doc_full = None
+    target_valid = valid
+    pid = batch.get("position_ids")
+    if _is_sequence_tensor(pid, B, S) and pid.dim() == 2 and not pid.is_floating_point():
+        doc = document_starts(pid)
+        if doc is not None:  # packed documents; the padding continues the last one (as its positions do)
+            doc = doc.to(device).expand(B, S)
+            doc_full = torch.cat([doc, doc[:, -1:].expand(B, P - S)], dim=1)
+            target_valid = valid & (doc_full != torch.arange(P, device=device))
+
     out: dict[str, Any] = {}
     targets: dict[str, torch.Tensor] = {}
     num_targets: dict[str, int] = {}
@@ -240,7 +270,7 @@ def shard_batch(
             padded = pad_sequence_dim(value, P, _PAD_VALUES.get(key, 0))
         out[key] = shard(padded)
         if key in ("labels", "input_ids") and not value.is_floating_point():
-            full = shift_labels(padded.expand(B, P), valid, ignore_index)
+            full = shift_labels(padded.expand(B, P), target_valid, ignore_index)
             targets[key] = shard(full)
             num_targets[key] = int((full != ignore_index).sum())
     positions = global_positions(P, cp_rank, cp_size, layout, block_size, device=device)
@@ -258,6 +288,8 @@ def shard_batch(
         block_size=block_size,
         group=group,
         lengths=valid.sum(1).tolist(),
+        doc_start=shard(doc_full) if doc_full is not None else None,
+        doc_position_ids=out["position_ids"] if doc_full is not None else None,
     )
     for key in sharded_keys:
         tag_shard(out[key], sharded, key)

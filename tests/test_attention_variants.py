@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from _dist import hierarchical_groups, run_distributed
+from _ops import CountingOp
 from lightning_mtraining import SparsityConfig, global_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.attention_ops import TorchBlockOp, tile_classes
 from lightning_mtraining.layouts import LAYOUTS, layout_unit
@@ -160,16 +161,6 @@ def test_window_layer_ignores_sparsity_and_runs_its_band_exactly():
     _check_ring(run_distributed(run_variant_cases, 3, cases, sparsity=sparsity), 3, cases)
 
 
-class CountingOp(TorchBlockOp):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        return super().forward(*args, **kwargs)
-
-
 def test_steps_outside_the_window_compute_nothing():
     """Contiguous layout, 3 ranks of 12 tokens, window 4: rank 2 needs only its own chunk and rank 1's last 3
     keys, so its step against rank 0 is skipped (asserted through the op's call count) and the result is exact."""
@@ -194,7 +185,7 @@ def _counting_worker(rank, w, n, window):
     op = CountingOp()
     out = ring_attention(ql, kl, vl, layout="contiguous", block_size=BS, window=window, op=op)
     out.backward(shard_sequence(do, 2, rank, w, "contiguous", BS))
-    return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)], op.calls
+    return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)], op.calls["forward"]
 
 
 class DenseOnlyOp:

@@ -80,8 +80,9 @@ def test_hook_errors():
         model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="without input_ids or inputs_embeds"):
         model(labels=ids)
-    packed = torch.cat([torch.arange(5), torch.arange(7)])[None]  # two documents, positions restarting at 0
-    with pytest.raises(ValueError, match="position_ids that are not the tokens' global positions .*packed"):
+    # packed documents given to the model but not in the sharded batch: the strategy cannot see the boundaries
+    packed = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with pytest.raises(ValueError, match="neither the tokens' global positions .* Put position_ids in the batch"):
         model(input_ids=ids, position_ids=packed)
     model(input_ids=ids, position_ids=torch.arange(12)[None])  # the true positions are fine
     with pytest.raises(ValueError, match="asked for output_attentions: ring attention never materialises"):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import hierarchical_groups, run_distributed
+from _ops import CountingOp
 from lightning_mtraining import ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.attention_ops import TorchBlockOp
 from lightning_mtraining.estimation import estimate_pattern
@@ -161,20 +162,6 @@ def test_full_pattern_is_dense_ring_and_config_uses_the_estimator():
 
 
 # --- exact counts of communication and of skipped steps --------------------------------------------------------
-
-
-class CountingOp(TorchBlockOp):
-    def __init__(self):
-        super().__init__()
-        self.calls = {"forward": 0, "backward": 0}
-
-    def forward(self, *args, **kwargs):
-        self.calls["forward"] += 1
-        return super().forward(*args, **kwargs)
-
-    def backward(self, *args, **kwargs):
-        self.calls["backward"] += 1
-        return super().backward(*args, **kwargs)
 
 
 def _count_collectives(monkeypatch_targets):
