@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     p.add_argument("--data-dir", default=None, help="built corpus folder (default ./data/stdlib_bytes)")
+    p.add_argument("--documents", action="store_true",
+                   help="packed documents: each corpus package attends only within itself (position_ids restart)")
     p.add_argument("--log-dir", default="lightning_logs")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
@@ -176,6 +178,7 @@ class CausalLMModule(L.LightningModule):
         return data.token_dataloader(
             self.args.data_dir, self.args.seq_len, self.args.batch_size,
             strategy=self.trainer.strategy, num_workers=self.args.num_workers, seed=self.args.seed,
+            documents=self.args.documents,
         )
 
     def on_train_batch_start(self, batch, batch_idx) -> None:

@@ -79,6 +79,7 @@ __all__ = [
     "data_parallel_rank_size",
     "decode_tokens",
     "default_corpus_dir",
+    "document_position_ids",
     "encode_bytes",
     "encode_package",
     "stdlib_packages",
@@ -376,15 +377,34 @@ def data_parallel_rank_size(source: Any = None, *, dp_axis: str | None = None) -
 
 
 class _ToTrainingSample:
-    """litdata item (uint16 window of ``seq_len`` tokens) -> ``{"input_ids", "labels"}`` int64.
+    """litdata item (uint16 window of ``seq_len`` tokens) -> ``{"input_ids", "labels"}`` int64, and with
+    ``documents`` also ``position_ids`` that restart at 0 after every ``EOS_TOKEN`` (packed documents).
 
     ``labels`` equals ``input_ids``: the causal-LM shift happens in the model (single device) or
     globally before sharding (the strategy), never here. Module-level class: workers unpickle it.
     """
 
+    def __init__(self, documents: bool = False) -> None:
+        self.documents = documents
+
     def __call__(self, item: Any) -> dict[str, torch.Tensor]:
         tokens = torch.from_numpy(np.asarray(item).astype(np.int64))
-        return {"input_ids": tokens, "labels": tokens.clone()}
+        sample = {"input_ids": tokens, "labels": tokens.clone()}
+        if self.documents:
+            sample["position_ids"] = document_position_ids(tokens)
+        return sample
+
+
+def document_position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 on the token after each ``EOS_TOKEN`` (a document's end token belongs to it),
+    counted from 0 at the window's start: ``tokens [..., S]`` -> int64 of the same shape. What packing pipelines give
+    a model so that packed documents attend only within themselves
+    (:func:`~lightning_mtraining.layouts.document_starts` reads them back)."""
+    idx = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape)
+    new = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+    new[..., 1:] = tokens[..., :-1] == EOS_TOKEN
+    start = torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - start
 
 
 def token_dataset(
@@ -396,13 +416,19 @@ def token_dataset(
     shuffle: bool = True,
     seed: int = 42,
     cache_dir: str | None = None,
+    documents: bool = False,
 ) -> Any:
     """A litdata ``StreamingDataset`` of packed ``seq_len``-token windows, sharded by DATA-PARALLEL rank.
 
     Every rank given the same ``(dp_rank, dp_size, seed)`` yields the same samples in the same order
     (the ranks of one CP group); different ``dp_rank`` give disjoint samples, the same number each
     (``drop_last`` when ``dp_size > 1``, so no rank runs out first and hangs a collective).
-    Items are ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``.
+    Items are ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``: a window runs across the
+    corpus' document (package) boundaries and every token attends to all earlier tokens of the window. With
+    ``documents=True`` items also hold ``position_ids`` that restart after each ``EOS_TOKEN``
+    (:func:`document_position_ids`): each package attends only within itself and no label crosses into the next
+    one, on one device (the model's own attention, see ``parallel.PackedDocuments``) and under context
+    parallelism (the ring masks documents, the strategy reads them from the batch).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive; got {seq_len}")
@@ -416,7 +442,7 @@ def token_dataset(
         # None, not False, for dp_size 1: litdata warns about drop_last=False under a process group.
         drop_last=True if dp_size > 1 else None,
         seed=seed,
-        transform=_ToTrainingSample(),
+        transform=_ToTrainingSample(documents),
     )
     # The override (see the module docstring): litdata detected the GLOBAL rank/world at
     # construction; it reads `distributed_env` when assigning chunks to ranks in `__iter__` and
@@ -445,6 +471,7 @@ def token_dataloader(
     shuffle: bool = True,
     seed: int = 42,
     cache_dir: str | None = None,
+    documents: bool = False,
 ) -> Any:
     """A litdata ``StreamingDataLoader`` over :func:`token_dataset`, CP-aware.
 
@@ -452,7 +479,8 @@ def token_dataloader(
     ``self.trainer.strategy`` inside ``train_dataloader``), ``mesh`` (a device mesh with a DP axis),
     or ``dp_rank``/``dp_size``; with none of them, single process only (see
     :func:`data_parallel_rank_size`). Batches are ``{"input_ids", "labels"}`` of shape
-    ``[batch_size, seq_len]``, FULL sequences: sharding along the sequence is the strategy's job.
+    ``[batch_size, seq_len]`` (and ``position_ids`` with ``documents=True``: packed documents, see
+    :func:`token_dataset`), FULL sequences: sharding along the sequence is the strategy's job.
     The loader increments its epoch on every new iteration, so a shuffled corpus is reshuffled.
     """
     given = [name for name, value in (("strategy", strategy), ("mesh", mesh)) if value is not None]
@@ -465,7 +493,8 @@ def token_dataloader(
     if dp_rank is None:
         dp_rank, dp_size = data_parallel_rank_size(strategy if strategy is not None else mesh)
     dataset = token_dataset(
-        input_dir, seq_len, dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle, seed=seed, cache_dir=cache_dir
+        input_dir, seq_len, dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle, seed=seed, cache_dir=cache_dir,
+        documents=documents,
     )
     return DataParallelStreamingDataLoader(
         dataset, batch_size=batch_size, num_workers=num_workers, drop_last=dp_size > 1

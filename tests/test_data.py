@@ -310,3 +310,34 @@ def test_resume_inside_the_dense_warmup_with_litdata_is_exact(corpus, tmp_path, 
         assert [s for s, _ in res["full"]] == [0, 1, 2, 3, 4]
         assert res["first"] + res["rest"] == res["full"], (res["first"], res["rest"], res["full"])
         assert res["est_full"] == 6 and res["est_rest"] == 6, (res["est_full"], res["est_rest"])
+
+
+def test_document_position_ids_restart_after_each_end_token():
+    eos = data.EOS_TOKEN
+    tokens = torch.tensor([[5, 6, eos, 7, 8, 9, eos, eos, 1], [eos, 2, 3, 4, 5, 6, 7, 8, 9]])
+    assert data.document_position_ids(tokens).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_packed_documents_option(corpus):
+    """documents=True: the same windows, with position_ids that restart after every package's EOS; the
+    document boundaries read back from them are exactly the tokens after an EOS."""
+    from lightning_mtraining.layouts import document_starts
+
+    plain = data.token_dataloader(corpus, SEQ_LEN, batch_size=2, shuffle=False)
+    packed = data.token_dataloader(corpus, SEQ_LEN, batch_size=2, shuffle=False, documents=True)
+    boundaries = 0
+    for a, b in zip(plain, packed):
+        assert set(a) == {"input_ids", "labels"} and set(b) == {"input_ids", "labels", "position_ids"}
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+        ids, pid = b["input_ids"], b["position_ids"]
+        assert pid.dtype == torch.int64 and pid.shape == ids.shape
+        doc = document_starts(pid)
+        idx = torch.arange(ids.shape[1])
+        first = torch.zeros_like(ids, dtype=torch.bool)
+        first[:, 1:] = ids[:, :-1] == data.EOS_TOKEN
+        if doc is None:
+            assert not first.any()
+        else:
+            assert torch.equal((doc == idx) & (idx > 0), first)
+            boundaries += int(first.sum())
+    assert boundaries > 0  # some window spans two packages: the option is exercised
