@@ -198,10 +198,13 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     from triton.compiler import ASTSource
 
     from mtraining_kernels import list_builder as lb
-    from mtraining_kernels import vertical_slash as vs
+    from mtraining_kernels import triton_backward as tb
+    from mtraining_kernels import triton_forward as tf
     from mtraining_kernels.gluon_hopper import wgmma_serialization_note
+    from mtraining_kernels.triton_common import _num_warps
+    from mtraining_kernels.vertical_slash import DEFAULT_CONFIG
 
-    cfg = config or vs.DEFAULT_CONFIG
+    cfg = config or DEFAULT_CONFIG
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "Out": "*bf16", "ColBits": "*i64"}
     ptrs.update({n: "*i32" for n in "QPos KPos FIdx FCnt FNm ColIdx BIdx BCnt BNm".split()})
     ptrs.update({n: "*fp32" for n in "Lse Lse2 Delta DQ DK DV DKC DVC".split()})
@@ -211,23 +214,23 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     for D in head_dims:
         common = dict(HEAD_DIM=D, BLOCK_M=block_m)
         sub = min(block_m, cfg.sub_m)
-        bw = lambda bm, bn: cfg.bwd_warps or vs._num_warps(bm, bn, D)  # noqa: E731
+        bw = lambda bm, bn: cfg.bwd_warps or _num_warps(bm, bn, D)  # noqa: E731
         rows = min(block_m, cfg.q_rows or block_m)
         sub_n = min(block_n, cfg.sub_n)
         qprog = dict(ROWS=rows, HEAVY_FIRST=cfg.heavy_first)
-        kernels = [(vs._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
+        kernels = [(tf._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
                                             HAS_PREV=False, BLOCK_J=32, **qprog),
-                    cfg.fwd_stages, cfg.fwd_warps or vs._num_warps(rows, block_n, D))]
-        kernels.append((vs._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
+                    cfg.fwd_stages, cfg.fwd_warps or _num_warps(rows, block_n, D))]
+        kernels.append((tb._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
                                                    HAS_COLS=True, BLOCK_J=32, **qprog),
                         cfg.bwd_stages, cfg.dq_warps or bw(rows, sub_n)))
         kernels += [
-            (vs._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
+            (tb._vs_bwd_dkdv_kernel, dict(BLOCK_N=block_n, SUB_M=sub), cfg.bwd_stages,
              bw(sub, block_n)),
-            (vs._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=cfg.col_block, SUB_M=min(block_m, cfg.col_sub_m or sub)),
+            (tb._vs_bwd_dkdv_cols_kernel, dict(BLOCK_C=cfg.col_block, SUB_M=min(block_m, cfg.col_sub_m or sub)),
              cfg.bwd_stages, bw(sub, COL_CHUNK)),
         ]
-        kernels.append((vs._bwd_preprocess_kernel, dict(BLOCK=64), 1, 4))
+        kernels.append((tb._bwd_preprocess_kernel, dict(BLOCK=64), 1, 4))
         if D == head_dims[0]:  # the list builder (head-dim free): compiled once per tile shape
             r = block_m // block_n
             tiles = dict(BM=block_m, BN=block_n, R=r)

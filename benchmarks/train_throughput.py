@@ -66,7 +66,7 @@ SPLIT = ("attention", "estimation", "lists", "rest")
 RANGES = {"mtraining::attention": "attention", "mtraining::estimate": "estimation", "mtraining::lists": "lists"}
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
 # kernels whose launch the profiler did not record, by name: the Triton kernels of kernels/probe_scores.py,
-# list_builder.py, vertical_slash.py and gluon_hopper.py
+# list_builder.py, triton_forward.py, triton_backward.py and the gluon_*.py files
 UNLINKED = {"estimation": ("_lse_kernel", "_scores_kernel"),
             "lists": ("_mark_kernel", "_compact_kernel", "_lists_kernel", "_col_bits_kernel"),
             "attention": ("_vs_", "_gl_", "_bwd_preprocess_kernel", "_dkdv_cols_epilogue", "_gather_columns", "fmha",

@@ -2,9 +2,14 @@
 
 - :mod:`mtraining_kernels.indexing`: pattern / positions -> per-query-tile lists of key tiles and key columns
   (:class:`TileLists`), on the device with torch ops.
-- :mod:`mtraining_kernels.vertical_slash`: Triton forward/backward, block ops for the ring
-  (``block_forward`` / ``block_backward`` / ``TritonBlockOp``), autograd ``vertical_slash_attention``.
-- :mod:`mtraining_kernels.gluon_hopper`: warp-specialised Gluon forward, dq and dk/dv for sm_90, the same pairs;
+- :mod:`mtraining_kernels.vertical_slash`: the attention's public API and dispatch: block ops for the ring
+  (``block_forward`` / ``block_backward`` / ``TritonBlockOp``), autograd ``vertical_slash_attention``, and which
+  kernel runs each part of a call (``KernelConfig``, defined in :mod:`mtraining_kernels.config`).
+- :mod:`mtraining_kernels.triton_forward`, :mod:`mtraining_kernels.triton_backward`: the Triton kernels and their
+  launchers (what they share: :mod:`mtraining_kernels.triton_common`).
+- :mod:`mtraining_kernels.gluon_forward`, :mod:`mtraining_kernels.gluon_backward`: warp-specialised Gluon forward,
+  dq and dk/dv for sm_90, the same pairs (shared pieces: :mod:`mtraining_kernels.gluon_common`; offline compile
+  reports: :mod:`mtraining_kernels.gluon_tooling`; all re-exported by :mod:`mtraining_kernels.gluon_hopper`);
   ``block_forward`` / ``block_backward`` use them where they can run (``KernelConfig(forward=, dq=, dkdv=)``).
 - :mod:`mtraining_kernels.reference`: dense-masked torch references computing exactly the same pairs.
 

@@ -81,7 +81,7 @@ def test_item_order_auto_snakes_only_the_dk_dv_kernel():
 
 
 def _items(total: int, pid: int, nprog: int, snake: bool) -> list[int]:
-    """The work items program ``pid`` runs: a mirror of ``gluon_hopper._n_items`` / ``_item`` (Gluon functions
+    """The work items program ``pid`` runs: a mirror of ``gluon_common._n_items`` / ``_item`` (Gluon functions
     cannot run on a CPU; tests/test_kernels_gpu.py checks the kernels themselves give identical results)."""
     if not snake:
         return list(range(pid, total, nprog))

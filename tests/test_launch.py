@@ -17,7 +17,7 @@ _CHECK = r"""
 import json, torch
 from mtraining_kernels import gluon_hopper
 from mtraining_kernels.launch import specialization_key
-from mtraining_kernels.vertical_slash import _bwd_preprocess_kernel as fn
+from mtraining_kernels.triton_backward import _bwd_preprocess_kernel as fn
 
 gluon_hopper.install_offline_sm90_target()  # compile for sm_90 without a GPU (no launches)
 buf = torch.zeros(4096, dtype=torch.bfloat16)
