@@ -38,6 +38,7 @@ from torch import nn
 from lightning_mtraining.estimation import attention_recall
 from lightning_mtraining.losses import exact_group_loss
 from lightning_mtraining.ring import resolve_pattern, ring_attention
+from lightning_mtraining.ring_op import dense_ring_attention
 from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded, tag_shard
 
 __all__ = [
@@ -190,21 +191,13 @@ def ring_attention_forward(
 
 
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
-    return ring_attention(
-        query,
-        key,
-        value,
-        group=cfg.group,
-        layout=cfg.layout,
-        block_size=cfg.block_size,
-        sparsity=None if window is not None else _layer_pattern(module, cfg, query, key, scaling),
-        inner_group=cfg.inner_group,
-        outer_group=cfg.outer_group,
-        scale=scaling,
-        window=window,
-        softcap=softcap,
-        doc_start=cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None,
-    )
+    pattern = None if window is not None else _layer_pattern(module, cfg, query, key, scaling)
+    doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
+    args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
+                outer_group=cfg.outer_group, scale=scaling, window=window, softcap=softcap, doc_start=doc_start)
+    if pattern is None:  # dense (and window) layers: one custom op, which torch.compile keeps in its graph
+        return dense_ring_attention(query, key, value, **args)
+    return ring_attention(query, key, value, sparsity=pattern, **args)
 
 
 class NonFiniteWatch:
@@ -230,7 +223,8 @@ class NonFiniteWatch:
 
     def _hook(self, order: int, label: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if torch._C._current_graph_task_id() != -1:  # an activation-checkpointing recompute inside backward
+            # an activation-checkpointing recompute inside backward (compiled code replays no hooks there)
+            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
                 return
             hidden = args[0] if args else kwargs.get("hidden_states")
             out = output[0] if isinstance(output, (tuple, list)) else output

@@ -582,6 +582,38 @@ def _sparse_op(op: BlockAttentionOp | None, device: torch.device, tile: int) -> 
     return op
 
 
+@dataclasses.dataclass
+class DenseSetup:
+    """What a dense ring call (or a window layer's band) runs: every rank's positions, the block op, the scale, the
+    op's variant keywords and the ring steps that compute nothing."""
+
+    positions: tuple[torch.Tensor, ...]
+    op: BlockAttentionOp
+    scale: float
+    variant: dict
+    skips: dict[int, bool] | None
+
+
+def dense_setup(q, k, v, topo: RingTopology, layout: str, block_size: int, scale: float | None,
+                window: int | None, softcap: float | None, doc_start: torch.Tensor | None,
+                op: BlockAttentionOp | None = None) -> DenseSetup:
+    """Validate a dense ring call's inputs and work out what it runs (:class:`DenseSetup`); shared by
+    :func:`ring_attention` and its custom op (:mod:`lightning_mtraining.ring_op`)."""
+    _validate(q, k, v, layout, block_size, topo.cp_size)
+    n = q.shape[2] * topo.cp_size
+    positions = _positions(n, topo.cp_size, layout, block_size, q.device)
+    window = _check_window(window, n)
+    doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])  # None here: nothing to mask on this rank
+    variant = attention_variant(window, softcap, doc_start)
+    chosen = _variant_op(default_block_op(q.device) if op is None else op, window, softcap)
+    if doc_start is not None:
+        chosen = _documents_op(chosen, op is not None)
+    skips = _window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window)
+    if doc_start is not None:
+        skips = _merge_skips(skips, document_skips(positions, topo.cp_rank, doc_start))
+    return DenseSetup(positions, chosen, default_scale(q.shape[-1], scale), variant, skips)
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -648,24 +680,20 @@ def ring_attention(
     """
     topo = resolve_topology(group, inner_group, outer_group)
     _validate(q, k, v, layout, block_size, topo.cp_size)
+    window = _check_window(window, q.shape[2] * topo.cp_size)  # None when longer than the sequence
+    if sparsity is None or window is not None:
+        d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start, op)
+        if topo.cp_size == 1 and hasattr(d.op, "differentiable"):
+            return d.op.differentiable(q, k, v, d.positions[0], d.positions[0], d.scale, **d.variant)
+        return _RingAttention.apply(q, k, v, topo, d.positions, d.op, d.scale, None, None, d.variant, d.skips)
     scale = default_scale(q.shape[-1], scale)
     n = q.shape[2] * topo.cp_size
     positions = _positions(n, topo.cp_size, layout, block_size, q.device)
-    window = _check_window(window, n)
     given_docs = doc_start  # the estimator validates it itself, on every rank (its collectives need all of them)
     doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])  # None here: nothing to mask on this rank
-    variant = attention_variant(window, softcap, doc_start)
+    variant = attention_variant(None, softcap, doc_start)
     user_op = op is not None
     doc_skips = document_skips(positions, topo.cp_rank, doc_start) if doc_start is not None else None
-    if sparsity is None or window is not None:
-        op = _variant_op(default_block_op(q.device) if op is None else op, window, softcap)
-        if doc_start is not None:
-            op = _documents_op(op, user_op)
-        if topo.cp_size == 1 and hasattr(op, "differentiable"):
-            return op.differentiable(q, k, v, positions[0], positions[0], scale, **variant)
-        skips = _merge_skips(_window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window),
-                             doc_skips)
-        return _RingAttention.apply(q, k, v, topo, positions, op, scale, None, None, variant, skips)
     if topo.cp_size > 1 and group is None and topo.outer_size > 1:
         raise ValueError(
             "sparse hierarchical ring attention needs group= (the whole CP group, for the pattern estimator) "
