@@ -251,7 +251,7 @@ def apply_context_parallel(
         layout, block_size: the token layout of the shards (see :mod:`lightning_mtraining.layouts`).
         sparsity: a :class:`SparsityConfig` for every layer, a function of the layer index, or None (dense).
         fused_loss, activation_checkpointing: as the strategies' options (Note [Fused loss] in
-            :mod:`lightning_mtraining.hf`).
+            :mod:`lightning_mtraining.fused_loss_hook`).
 
     Returns the :class:`ContextParallel` handle: ``shard(batch)`` before each forward, ``restore()`` to undo. A flat
     ring; the strategies build the hierarchical (intra-/inter-node) rings from their own mesh.

@@ -1,5 +1,5 @@
-"""The fused loss on real Hugging Face model classes (Note [Fused loss] in lightning_mtraining.hf): the loss and
-every parameter gradient equal the model's own loss, for each model type in FUSED_LOSS_MODEL_TYPES."""
+"""The fused loss on real Hugging Face model classes (Note [Fused loss] in lightning_mtraining.fused_loss_hook): the
+loss and every parameter gradient equal the model's own loss, for each model type in FUSED_LOSS_MODEL_TYPES."""
 
 from __future__ import annotations
 

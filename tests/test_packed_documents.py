@@ -406,10 +406,11 @@ def _assert_same(got, want):
         torch.testing.assert_close(grads_[name], g, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
 
 
+# every layout is covered at the ring level above; here the striped default and the contiguous layout (whose rank 0
+# holds only the first document: no documents to mask there, the estimator's collectives still run on every rank)
 @pytest.mark.parametrize("world_size, sparsity, labels_in_step, layout", [
     (1, None, False, "striped"), (1, None, True, "striped"), (2, None, False, "striped"),
-    (3, None, True, "striped"), (3, None, False, "contiguous"), (3, None, False, "zigzag"),
-    (2, "full", False, "striped"), (3, "full", True, "striped"),
+    (3, None, True, "striped"), (3, "full", False, "contiguous"), (3, "full", True, "striped"),
 ])
 def test_packed_batch_trains_like_its_documents_one_by_one(world_size, sparsity, labels_in_step, layout):
     want = one_by_one()
