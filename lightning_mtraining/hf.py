@@ -196,9 +196,10 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
     doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
     args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
                 outer_group=cfg.outer_group, scale=scaling, window=window, softcap=softcap, doc_start=doc_start)
-    if pattern is None and (cfg.cp_size > 1 or torch.compiler.is_compiling()):
-        # dense (and window) layers: one custom op, which torch.compile keeps in its graph. One eager rank keeps
-        # ring_attention, whose single step runs FlexAttention's own autograd on CUDA (no recomputed forward)
+    if pattern is None and cfg.cp_size > 1:
+        # dense (and window) layers: one custom op, which torch.compile keeps in its graph (on CPU; on CUDA the
+        # compiled op fails building FlexAttention's BlockMask, see ring_op). One rank keeps ring_attention, whose
+        # single step runs FlexAttention's own autograd on CUDA (no recomputed forward)
         return dense_ring_attention(query, key, value, **args)
     return ring_attention(query, key, value, sparsity=pattern, **args)
 

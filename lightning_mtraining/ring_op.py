@@ -9,6 +9,10 @@ autograd formula. Process groups cannot be op arguments: they travel by name (``
 resolved inside the op. Everything else the ring decides per call (positions, block op, skipped steps) is
 recomputed inside each op from those arguments (cached by shape, so a few dictionary lookups per layer).
 
+Known limit: on CUDA (torch 2.11, an H100) the op runs eagerly, but under ``torch.compile`` its FlexAttention block
+op fails while building the BlockMask ("Cannot access storage of BatchedTensorImpl" in ``BlockMask.from_kv_blocks``);
+compiling with the op is tested on CPU only.
+
 The sparse ring is not an op yet (its per-step lists, built from the forward's pattern, would have to be rebuilt
 in the backward or returned as tensors), so sparse layers still break the graph.
 """

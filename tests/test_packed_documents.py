@@ -56,8 +56,8 @@ def reference(q, k, v, doc, mask=None, q_pos=None, k_pos=None):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    qp = torch.arange(q.shape[2]) if q_pos is None else q_pos
-    kp = torch.arange(k.shape[2]) if k_pos is None else k_pos
+    qp = torch.arange(q.shape[2], device=q.device) if q_pos is None else q_pos
+    kp = torch.arange(k.shape[2], device=q.device) if k_pos is None else k_pos
     allowed = (kp[None, None, :] <= qp[None, :, None]) & (kp[None, None, :] >= doc[:, :, None])  # [B, Sq, Sk]
     allowed = allowed[:, None]
     if mask is not None:
