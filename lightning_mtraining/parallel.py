@@ -81,8 +81,8 @@ class ContextParallel:
     Attributes: ``plan`` (this rank's place and the current batch), ``models`` (the Hugging Face models found),
     ``prepared`` (those switched to ring attention: none with one CP rank and dense attention, where models keep
     their own), ``packed`` (with those, the hooks that make their attention honour packed documents,
-    :class:`PackedDocuments`), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when every layer is
-    dense), ``pad_multiple`` (sequence padding asked by sparse tiles).
+    :class:`PackedDocuments`), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when
+    every layer is dense), ``pad_multiple`` (sequence padding asked by sparse tiles).
     """
 
     def __init__(

@@ -614,8 +614,8 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         fused_loss: a model called with labels computes its loss from the hidden states a chunk of rows at a
             time and never materialises the ``[B, L, vocab]`` logits unless the step reads ``out.logits``;
             for the model types in :data:`~lightning_mtraining.hf.FUSED_LOSS_MODEL_TYPES`, others keep the plain
-            loss. See Note [Fused loss] in :mod:`lightning_mtraining.fused_loss_hook`. ``False``: the model's own loss. A
-            backend name picks the implementation: ``"auto"`` (what ``True`` means: Liger-Kernel on CUDA where it
+            loss. See Note [Fused loss] in :mod:`lightning_mtraining.fused_loss_hook`. ``False``: the model's own
+            loss. A backend name picks the implementation: ``"auto"`` (what ``True`` means: Liger-Kernel on CUDA where it
             is installed and applies, else the torch one), ``"torch"`` or ``"liger"`` (see
             :func:`~lightning_mtraining.losses.fused_linear_cross_entropy`).
         activation_checkpointing: recompute each decoder layer in backward (Hugging Face
