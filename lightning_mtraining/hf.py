@@ -38,8 +38,10 @@ from torch import nn
 from lightning_mtraining.estimation import attention_recall
 from lightning_mtraining.fused_loss_hook import FUSED_LOSS_MODEL_TYPES, FusedLoss, prepare_fused_loss
 from lightning_mtraining.losses import exact_group_loss
+from lightning_mtraining.pattern import VerticalSlashPattern
 from lightning_mtraining.ring import resolve_pattern, ring_attention
 from lightning_mtraining.ring_op import dense_ring_attention
+from lightning_mtraining.sparse_ring_op import estimate_pattern_op, new_plan_uid, sparse_ring_attention, track_plan
 from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded, tag_shard
 
 __all__ = [
@@ -79,6 +81,19 @@ class ContextParallelPlan:
     outer_group: dist.ProcessGroup | None = None
     current: ShardedBatch | None = None
     schedule: Any = None  # AttentionSchedule: sparse layers over time, the per-forward patterns, statistics
+    # which model forward runs: a CPU tensor, so compiled layers read it as an input (an int would be a constant of
+    # their graphs); the estimate op keeps one pattern per layer and forward by it (sparse_ring_op)
+    forward_id: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    uid: str = dataclasses.field(default_factory=new_plan_uid)  # names this plan's patterns in the estimate op
+
+    def __post_init__(self) -> None:
+        track_plan(self, self.uid)
+
+    def begin_forward(self, training: bool) -> None:
+        """A new model forward: new patterns (Note [One pattern per forward]); the model hook calls it."""
+        self.forward_id += 1
+        if self.schedule is not None:
+            self.schedule.begin_forward(training=training)
 
     @property
     def inner_size(self) -> int:
@@ -100,12 +115,14 @@ class RingAttentionConfig:
     plan: ContextParallelPlan | None = None  # the shared plan: the current batch and the attention schedule
 
 
-def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling) -> Any:
-    """What this layer's ring attention runs now: None (dense) or the forward's ``VerticalSlashPattern``.
+def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling, as_op: bool = False) -> Any:
+    """What this layer's ring attention runs now: None (dense) or the forward's ``VerticalSlashPattern``; with
+    ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
 
     Sparse per the schedule (:mod:`lightning_mtraining.schedule`): the layer's config, dense layers, the dense
     warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
-    to estimate from). One estimate per layer and forward (Note [One pattern per forward]).
+    to estimate from). One estimate per layer and forward (Note [One pattern per forward]), compiled or not: the
+    schedule keeps what the estimate op returned, so a checkpointed layer's recompute reads it.
     """
     plan = cfg.plan
     schedule = plan.schedule if plan is not None else None
@@ -122,11 +139,19 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
     doc_start = current.doc_start if current is not None else None
 
     def estimate():
+        if as_op:
+            reuse = None if plan is None else (plan.forward_id, f"{plan.uid}/{layer_idx}")
+            return (*estimate_pattern_op(query, key, sparsity, group=cfg.group, layout=cfg.layout,
+                                         block_size=cfg.block_size, seq_len=lengths, scale=scaling,
+                                         layer_idx=layer_idx, doc_start=doc_start, reuse=reuse), sparsity.tile_size)
         return resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
                                block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
                                doc_start=doc_start)
 
-    if schedule is None:
+    if schedule is None or as_op:
+        # compiled: the estimate op itself returns the forward's pattern again (by plan.forward_id) when a
+        # checkpointed layer recomputes, so the forward and its recompute run one graph that saves the same tensors
+        # (non-reentrant checkpointing checks that); the schedule's cache would make the recompute another graph
         return estimate()
     pattern, new = schedule.pattern_for(layer_idx, estimate)
     if new and schedule.measuring:
@@ -192,16 +217,26 @@ def ring_attention_forward(
 
 
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
-    pattern = None if window is not None else _layer_pattern(module, cfg, query, key, scaling)
+    # While torch.compile traces, every layer is custom ops (ring_op, sparse_ring_op), which it keeps in its graph.
+    # Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
+    # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward
+    # reuses the forward's per-step lists (the sparse op's backward rebuilds them, see sparse_ring_op)
+    compiling = torch.compiler.is_compiling()
+    pattern = None if window is not None else _layer_pattern(module, cfg, query, key, scaling, as_op=compiling)
     doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
     args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
-                outer_group=cfg.outer_group, scale=scaling, window=window, softcap=softcap, doc_start=doc_start)
-    if pattern is None and cfg.cp_size > 1:
-        # dense (and window) layers: one custom op, which torch.compile keeps in its graph (on CPU; on CUDA the
-        # compiled op fails building FlexAttention's BlockMask, see ring_op). One rank keeps ring_attention, whose
-        # single step runs FlexAttention's own autograd on CUDA (no recomputed forward)
-        return dense_ring_attention(query, key, value, **args)
-    return ring_attention(query, key, value, sparsity=pattern, **args)
+                outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)
+    if pattern is None and (cfg.cp_size > 1 or compiling):
+        return dense_ring_attention(query, key, value, window=window, **args)
+    # a pattern the schedule kept from the other mode (an eager recompute of a compiled forward, or the reverse)
+    if isinstance(pattern, VerticalSlashPattern) and compiling:
+        pattern = (pattern.vertical_idx, pattern.slash_idx, pattern.tile_size)
+    elif isinstance(pattern, tuple) and not compiling:
+        pattern = VerticalSlashPattern(*pattern)
+    if compiling:
+        vertical_idx, slash_idx, tile_size = pattern
+        return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size, **args)
+    return ring_attention(query, key, value, sparsity=pattern, window=window, **args)
 
 
 class NonFiniteWatch:
@@ -414,8 +449,7 @@ class PreparedModel:
                 raise TypeError(f"{name}.forward got {len(args)} positional arguments")
             kwargs = {**dict(zip(self._forward_params, args)), **kwargs}
         plan, cur = self.plan, self.plan.current
-        if plan.schedule is not None:  # a new forward: new patterns (Note [One pattern per forward])
-            plan.schedule.begin_forward(training=module.training and torch.is_grad_enabled())
+        plan.begin_forward(training=module.training and torch.is_grad_enabled())  # Note [One pattern per forward]
         x = kwargs.get("input_ids")
         if x is None:
             x = kwargs.get("inputs_embeds")

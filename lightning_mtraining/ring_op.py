@@ -9,18 +9,27 @@ autograd formula. Process groups cannot be op arguments: they travel by name (``
 resolved inside the op. Everything else the ring decides per call (positions, block op, skipped steps) is
 recomputed inside each op from those arguments (cached by shape, so a few dictionary lookups per layer).
 
-Known limit: on CUDA (torch 2.11, an H100) the op runs eagerly, but under ``torch.compile`` its FlexAttention block
-op fails while building the BlockMask ("Cannot access storage of BatchedTensorImpl" in ``BlockMask.from_kv_blocks``);
-compiling with the op is tested on CPU only.
-
-The sparse ring is not an op yet (its per-step lists, built from the forward's pattern, would have to be rebuilt
-in the backward or returned as tensors), so sparse layers still break the graph.
+Note [Ops under a dispatch mode]
+--------------------------------
+The first call of a compiled graph runs under AOTAutograd's ``_AnalyzeCustomOpInputOutputMode`` (a
+``TorchDispatchMode`` that checks whether custom ops' outputs alias their inputs; ``torch._functorch.config.
+check_custom_op_aliasing``). A mode hands each op to its ``__torch_dispatch__`` with every dispatch key above
+``Python`` excluded in the thread-local state, functorch's (vmap) and ``ADInplaceOrView`` among them, and our op's
+implementation runs inside that call. Everything it runs that needs those keys then fails: FlexAttention's
+``BlockMask.from_kv_blocks`` (a ``torch.vmap``: "Cannot access storage of BatchedTensorImpl", seen on CUDA) and its
+``mask_mod`` indexing (an ``autograd.Function`` under vmap: "could not find kernel for custom_function_call", seen on
+CPU with an uncompiled FlexAttention); later calls run without the mode and work. :func:`outside_dispatch_mode`
+restores the keys a mode's call excluded (autograd and autocast stay excluded, as in any op implementation) for the
+op's body; every op of this package runs its body under it.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch._C import DispatchKey
 from torch.library import custom_op, register_autograd
 
 from lightning_mtraining.attention_ops import acc_dtype
@@ -32,7 +41,24 @@ from lightning_mtraining.ring import (
     resolve_topology,
 )
 
-__all__ = ["dense_ring_attention"]
+__all__ = ["dense_ring_attention", "outside_dispatch_mode"]
+
+# Keys a TorchDispatchMode's call excludes (every key dispatched before Python), and those an op implementation
+# excludes anyway (autograd and autocast: the state under ``_AutoDispatchBelowAutograd``, in which torch.library
+# runs an op's implementation); computed once, at import, in a clean thread-local state.
+_ABOVE_PYTHON = torch._C._dispatch_keyset_full() - torch._C._dispatch_keyset_full_after(DispatchKey.Python)
+with torch._C._AutoDispatchBelowAutograd():
+    _BELOW_AUTOGRAD = torch._C._dispatch_tls_local_exclude_set()
+
+
+def outside_dispatch_mode() -> contextlib.AbstractContextManager:
+    """A context in which an op implementation runs as it would outside any ``TorchDispatchMode`` (Note [Ops under a
+    dispatch mode]); a no-op when no mode's call is under way."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not exclude.has(DispatchKey.FuncTorchDynamicLayerFrontMode):  # excluded only inside a mode's call
+        return contextlib.nullcontext()
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           (exclude - _ABOVE_PYTHON) | (exclude & _BELOW_AUTOGRAD))
 
 
 def _name(group: dist.ProcessGroup | None) -> str:
@@ -55,10 +81,11 @@ def _topology(group: str, inner_group: str, outer_group: str) -> RingTopology:
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor | None, group: str,
                 inner_group: str, outer_group: str, layout: str, block_size: int, scale: float | None,
                 window: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    topo = _topology(group, inner_group, outer_group)
-    d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start)
-    (out, lse), _ = _ring_forward(q, torch.stack([k, v]), topo, d.positions, d.op, d.scale, None, None, d.variant,
-                                  d.skips)
+    with outside_dispatch_mode():
+        topo = _topology(group, inner_group, outer_group)
+        d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start)
+        (out, lse), _ = _ring_forward(q, torch.stack([k, v]), topo, d.positions, d.op, d.scale, None, None, d.variant,
+                                      d.skips)
     return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
 
 
@@ -73,10 +100,11 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, doc_start: torch.Tensor | None, group: str, inner_group: str, outer_group: str,
                  layout: str, block_size: int, scale: float | None, window: int | None,
                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    topo = _topology(group, inner_group, outer_group)
-    d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start)
-    dq, dk, dv = _ring_backward(dout.contiguous(), q, torch.stack([k, v]), out, lse, topo, d.positions, d.op,
-                                d.scale, None, d.variant, d.skips)
+    with outside_dispatch_mode():
+        topo = _topology(group, inner_group, outer_group)
+        d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start)
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, torch.stack([k, v]), out, lse, topo, d.positions, d.op,
+                                    d.scale, None, d.variant, d.skips)
     # dk and dv are views of one buffer: an op's outputs may not alias each other (a copy where the dtype is kept)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype, copy=True).contiguous(), dv.to(v.dtype, copy=True).contiguous()
 

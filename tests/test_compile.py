@@ -1,10 +1,10 @@
 """``torch.compile`` of a Hugging Face model under context parallelism.
 
-- A decoder layer whose attention is the dense ring (full, sliding-window, packed documents) compiles with
-  ``fullgraph=True``: the HF hook calls :func:`lightning_mtraining.ring_op.dense_ring_attention`, one
-  ``torch.library`` custom op with a fake implementation and registered autograd; output and gradients equal eager.
-- The whole model compiled (``torch.compile(model)``, default options) gives eager's losses and gradients with sparse
-  layers, which still break the graph (the estimator and the per-step lists are Python around collectives).
+- A decoder layer compiles with ``fullgraph=True``, dense (full, sliding-window, packed documents) and sparse (top-k,
+  top-p, packed documents, checkpointed): while compiling, the HF hook calls ``torch.library`` custom ops with fake
+  implementations and registered autograd (:mod:`lightning_mtraining.ring_op`,
+  :mod:`lightning_mtraining.sparse_ring_op`); output and gradients equal eager, one pattern estimate per forward.
+- The whole model compiled (``torch.compile(model)``, default options) gives eager's losses and gradients.
 
 2 gloo ranks, CPU (inductor's C++ backend), float32, a tiny Qwen2 at 192 tokens; the whole-model case takes about 3
 minutes of CPU time, most of it compiling.
@@ -73,49 +73,93 @@ def test_compiled_model_matches_eager(world_size, sparse):
             torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _layer_worker(rank: int, world_size: int, window: int | None, packed: bool):
+# Layer cases: (name, sliding window, packed documents, sparsity, checkpointed). Sparse: top-k and top-p (the estimate
+# op's padded static widths), packed documents (its data-dependent vertical width), and a layer recomputed under
+# activation checkpointing (the recompute must reuse the forward's pattern: Note [One pattern per forward]).
+_TOPK = dict(vertical_topk=3, slash_topk=2, last_q=8, tile_size=16)
+_TOPP = dict(top_p=0.6, max_vertical=5, max_slash=3, last_q=8, tile_size=16)
+_W2_CASES = [
+    ("dense", None, False, None, False),
+    ("window", 40, False, None, False),
+    ("dense packed", None, True, None, False),
+    ("top-k", None, False, _TOPK, False),
+    ("top-p checkpointed", None, False, _TOPP, True),
+    ("top-k packed", None, True, _TOPK, False),
+]
+_W1_CASES = [("top-p checkpointed", None, False, _TOPP, True)]  # one rank: only sparse models are prepared
+
+
+def _layer_worker(rank: int, world_size: int, cases: list):
+    """For each case: one decoder layer, eager then compiled with ``fullgraph=True``, on this rank's shard."""
     import torch._inductor.config as inductor_config
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
 
-    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining import SparsityConfig, apply_context_parallel, sparse_ring_op
     from lightning_mtraining.sharding import shard_batch
 
-    inductor_config.compile_threads = 1
-    torch._dynamo.reset()
+    inductor_config.compile_threads = 1  # no compile worker pool per rank on a 2-core machine
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    model = _model()
-    if window is not None:  # every layer a sliding-window layer
-        model.config.sliding_window, model.config.layer_types = window, ["sliding_attention"] * 2
-    apply_context_parallel(model, mesh, block_size=16)
+
+    def estimations(handle):  # patterns estimated: eager through the schedule, compiled through the estimate op
+        return sparse_ring_op.estimations + (handle.schedule.estimations if handle.schedule is not None else 0)
+
     x = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
-    layer = model.model.layers[0]
-    plan = layer.self_attn._mtraining_ring.plan
-    batch = {"input_ids": x}
-    if packed:  # three documents: the op's doc_start input
-        batch["position_ids"] = torch.cat([torch.arange(n) for n in (70, 50, SEQ - 120)])[None]
-    plan.current = shard_batch(batch, cp_rank=rank, cp_size=world_size, layout="striped", block_size=16)
-    pid = plan.current.doc_position_ids if packed else plan.current.position_ids
-    hidden = model.model.embed_tokens(plan.current.batch["input_ids"]).detach()
-    pos = model.model.rotary_emb(hidden, pid)
-    results = []
-    for fn in (layer, torch.compile(layer, fullgraph=True)):  # fullgraph: any graph break is an error
-        h = hidden.clone().requires_grad_(True)
-        out = fn(h, position_embeddings=pos, attention_mask=None, position_ids=pid)
-        out = out[0] if isinstance(out, tuple) else out
-        out.square().sum().backward()
-        results.append((out.detach(), h.grad, layer.self_attn.q_proj.weight.grad.clone()))
-        layer.zero_grad()
-    return results
+    found = {}
+    for name, window, packed, sparsity, checkpointed in cases:
+        torch._dynamo.reset()
+        model = _model()
+        if window is not None:  # every layer a sliding-window layer
+            model.config.sliding_window, model.config.layer_types = window, ["sliding_attention"] * 2
+        handle = apply_context_parallel(model, mesh, block_size=16,
+                                        sparsity=SparsityConfig(**sparsity) if sparsity else None)
+        layer = model.model.layers[0]
+        plan = layer.self_attn._mtraining_ring.plan
+        batch = {"input_ids": x}
+        if packed:  # three documents: the ops' doc_start input
+            batch["position_ids"] = torch.cat([torch.arange(n) for n in (70, 50, SEQ - 120)])[None]
+        plan.current = shard_batch(batch, cp_rank=rank, cp_size=world_size, layout="striped", block_size=16)
+        pid = plan.current.doc_position_ids if packed else plan.current.position_ids
+        hidden = model.model.embed_tokens(plan.current.batch["input_ids"]).detach()
+        pos = model.model.rotary_emb(hidden, pid)
+        results = []
+        for fn in (layer, torch.compile(layer, fullgraph=True)):  # fullgraph: any graph break is an error
+            for _ in range(2):  # the second call runs the compiled code without tracing (and without the first
+                # call's custom-op aliasing check, Note [Ops under a dispatch mode] in ring_op)
+                plan.begin_forward(training=True)  # what the model's hook does before each forward
+                before = estimations(handle)
+                h = hidden.clone().requires_grad_(True)
+                kw = dict(position_embeddings=pos, attention_mask=None, position_ids=pid)
+                out = checkpoint(fn, h, use_reentrant=False, **kw) if checkpointed else fn(h, **kw)
+                out = out[0] if isinstance(out, tuple) else out
+                out.square().sum().backward()
+                estimated = estimations(handle) - before
+                results.append((out.detach(), h.grad, layer.self_attn.q_proj.weight.grad.clone(), estimated))
+                layer.zero_grad()
+        handle.restore()
+        found[name] = results
+    return found
 
 
-@pytest.mark.parametrize("window, packed", [(None, False), (40, False), (None, True)])
-def test_decoder_layer_with_dense_ring_compiles_fullgraph(window, packed):
-    """A Hugging Face decoder layer whose attention is the dense ring (full, sliding-window, packed documents)
-    compiles with ``fullgraph=True`` (the ring is one custom op, ``ring_op``) and gives eager's output and
-    gradients, 2 ranks."""
-    for (out, dh, dw), (cout, cdh, cdw) in run_distributed(_layer_worker, 2, window, packed, timeout=600):
-        # float32; inductor fuses and reorders the layer's own ops (norms, MLP): relative to the largest value,
-        # ~1.5e-6 for this layer with transformers' own attention (same inputs, one process); 2e-5 leaves room
-        for got, want in ((cout, out), (cdh, dh), (cdw, dw)):
-            err = float((got - want).abs().max() / want.abs().max())
-            assert err < 2e-5, err
+def _check_layers(per_rank: list, cases: list) -> None:
+    for found in per_rank:
+        for name, _, _, sparsity, _ in cases:
+            (out, dh, dw, n_est), *rest = found[name]
+            for got_out, got_dh, got_dw, got_est in rest:
+                # float32; inductor fuses and reorders the layer's own ops (norms, MLP): relative to the largest
+                # value, ~1.5e-6 for this layer with transformers' own attention (same inputs, one process); the
+                # ring ops run the same code compiled or not. 2e-5 leaves room
+                for got, want in ((got_out, out), (got_dh, dh), (got_dw, dw)):
+                    err = float((got - want).abs().max() / want.abs().max())
+                    assert err < 2e-5, (name, err)
+                # one estimate per sparse layer and forward, also when checkpointing recomputes the layer
+                assert got_est == n_est == (1 if sparsity else 0), (name, got_est, n_est)
+
+
+def test_decoder_layer_compiles_fullgraph():
+    """A Hugging Face decoder layer under context parallelism compiles with ``fullgraph=True`` (its attention is
+    custom ops: the dense ring, the estimator and the sparse ring) and gives eager's output and gradients: dense,
+    sliding-window and packed documents, sparse top-k and top-p, with packed documents, and recomputed under
+    activation checkpointing; 2 ranks, then the same path on one rank (compiled, a single rank uses the ops too)."""
+    _check_layers(run_distributed(_layer_worker, 2, _W2_CASES, timeout=900), _W2_CASES)
+    _check_layers(run_distributed(_layer_worker, 1, _W1_CASES, timeout=600), _W1_CASES)
