@@ -474,6 +474,12 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
     return full, partial & ~full, qp, kp
 
 
+try:  # torch >= 2.9 (2.11 and 2.13 have it); return_lse=True is deprecated there
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    _AuxRequest = None
+
+
 class FlexBlockOp:
     """FlexAttention block op (CUDA). The BlockMask comes from tile-level position bounds, O((S/tile)^2) work.
 
@@ -570,6 +576,10 @@ class FlexBlockOp:
         key = (id(q_pos), id(k_pos), window, None if doc_start is None else id(doc_start))
         hit = self._masks.get(key)
         if hit is None:
+            if doc_start is not None:  # a new batch's documents: the masks of earlier batches' are not needed again
+                stale = [k for k, entry in self._masks.items() if entry[2] is not None and entry[2] is not doc_start]
+                for old in stale:
+                    del self._masks[old]
             if len(self._masks) >= self.cache_size:
                 self._masks.pop(next(iter(self._masks)))
             hit = self._masks[key] = (q_pos, k_pos, doc_start, self.block_mask(q_pos, k_pos, window, doc_start))
@@ -588,10 +598,13 @@ class FlexBlockOp:
 
     def _call(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None, doc_start=None):
         _check_variant(None, window, softcap)
-        out, lse = self._fn()(q, k, v, score_mod=self._score_mod(softcap),
-                              block_mask=self._cached_block_mask(q_pos, k_pos, window, doc_start), scale=scale,
-                              enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-        return out, lse
+        kw = dict(score_mod=self._score_mod(softcap), block_mask=self._cached_block_mask(q_pos, k_pos, window,
+                                                                                          doc_start),
+                  scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if _AuxRequest is None:  # a torch without return_aux
+            return self._fn()(q, k, v, return_lse=True, **kw)
+        out, aux = self._fn()(q, k, v, return_aux=_AuxRequest(lse=True), **kw)  # return_lse is deprecated
+        return out, aux.lse
 
     def forward(self, q, k, v, q_pos, k_pos, scale, window=None, softcap=None, doc_start=None):
         _check_block_inputs(q, k, v, q_pos, k_pos)

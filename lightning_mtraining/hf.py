@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from typing import Any, Callable
 
 import torch
@@ -52,6 +53,8 @@ __all__ = [
     "PreparedModel",
     "RingAttentionConfig",
     "attention_modules",
+    "compile_decoder_layers",
+    "decoder_layers",
     "find_hf_models",
     "prepare_fused_loss",
     "NonFiniteWatch",
@@ -62,6 +65,7 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "mtraining_ring"
+_log = logging.getLogger(__name__)
 _CONFIG_ATTR = "_mtraining_ring"
 
 
@@ -546,6 +550,52 @@ class PreparedModel:
             output["loss"] = exact
             return output
         return (exact, *output[1:])
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of the Hugging Face models inside ``model``: the modules whose direct child is an attention
+    module (:func:`attention_modules`), in model order."""
+    layers: list[nn.Module] = []
+    for hf_model in find_hf_models(model):
+        attention = set(map(id, attention_modules(hf_model)))
+        for module in hf_model.modules():
+            if any(id(child) in attention for child in module.children()) and module not in layers:
+                layers.append(module)
+    return layers
+
+
+def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
+    """Compile every decoder layer of the Hugging Face models inside ``model``, in place, with
+    ``layer.compile(**compile_kwargs)`` (``torch.compile`` options: ``fullgraph=True``, ``mode=...``, ``backend=...``),
+    as torchtitan compiles each transformer block: the layers compile once each and the rest of the model (embeddings,
+    the loss, the hooks) stays eager. Returns the compiled layers.
+
+    Under context parallelism the attention of a layer is custom ops while it compiles (the dense ring, the pattern
+    estimator and the sparse ring: :mod:`lightning_mtraining.ring_op`, :mod:`lightning_mtraining.sparse_ring_op`), so a
+    layer compiles with ``fullgraph=True``. Call it after :func:`prepare_model` (or
+    :func:`~lightning_mtraining.parallel.apply_context_parallel`) and after enabling activation checkpointing; the
+    module names and the ``state_dict`` keys do not change (``nn.Module.compile``, no ``_orig_mod`` wrapper).
+
+    Each layer's graph holds its layer index as a constant (dense layers, per-layer budgets, its pattern's key), so
+    every layer compiles its own graph; torch stops recompiling one function after
+    ``torch._dynamo.config.recompile_limit`` graphs (8 by default) and runs the rest eagerly, so this raises that
+    limit to the number of layers plus 8 when it is lower (logged).
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"compile_decoder_layers: {type(model).__name__} holds no Hugging Face decoder layer (no "
+                         "module whose child is an attention module with layer_idx and is_causal)")
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    needed = len(layers) + 8
+    if getattr(dynamo_config, name) < needed:
+        _log.info("compile_decoder_layers: torch._dynamo.config.%s raised from %d to %d (one graph per layer)", name,
+                  getattr(dynamo_config, name), needed)
+        setattr(dynamo_config, name, needed)
+    for layer in layers:
+        layer.compile(**compile_kwargs)
+    return layers
 
 
 def prepare_model(

@@ -420,6 +420,13 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None, None, None
 
 
+@functools.lru_cache(maxsize=16)
+def _default_block_op(device: torch.device) -> BlockAttentionOp:
+    """The dense ring's default block op, one per device: FlexAttention's BlockMasks (cached by the op, keyed by
+    the :func:`_positions` tensors) are then built once per layout and shape, not again in every layer's call."""
+    return default_block_op(device)
+
+
 @functools.lru_cache(maxsize=64)
 def _positions(n: int, cp_size: int, layout: str, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Every CP rank's global positions; cached so that every layer and step sees the same tensors (which lets
@@ -605,7 +612,7 @@ def dense_setup(q, k, v, topo: RingTopology, layout: str, block_size: int, scale
     window = _check_window(window, n)
     doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])  # None here: nothing to mask on this rank
     variant = attention_variant(window, softcap, doc_start)
-    chosen = _variant_op(default_block_op(q.device) if op is None else op, window, softcap)
+    chosen = _variant_op(_default_block_op(q.device) if op is None else op, window, softcap)
     if doc_start is not None:
         chosen = _documents_op(chosen, op is not None)
     skips = _window_skips_cached(n, topo.cp_size, layout, block_size, topo.cp_rank, window)

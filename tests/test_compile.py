@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _dist import run_distributed
 
@@ -163,3 +164,76 @@ def test_decoder_layer_compiles_fullgraph():
     activation checkpointing; 2 ranks, then the same path on one rank (compiled, a single rank uses the ops too)."""
     _check_layers(run_distributed(_layer_worker, 2, _W2_CASES, timeout=900), _W2_CASES)
     _check_layers(run_distributed(_layer_worker, 1, _W1_CASES, timeout=600), _W1_CASES)
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: every op runs inside its ``__torch_dispatch__``, as under AOTAutograd's
+    first-call aliasing check (``_AnalyzeCustomOpInputOutputMode``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_ops_run_inside_a_dispatch_mode(monkeypatch):
+    """Note [Ops under a dispatch mode] (ring_op): the dense ring op with FlexAttention (uncompiled, the CPU analogue
+    of the CUDA failure under torch.compile) gives the same output inside a dispatch mode as outside; without
+    ``outside_dispatch_mode`` the same call fails inside the mode."""
+    import contextlib
+
+    import lightning_mtraining.ring as ring
+    import lightning_mtraining.ring_op as ring_op
+    from lightning_mtraining.attention_ops import FlexBlockOp
+
+    flex = FlexBlockOp(tile=16, compile=False)  # CPU FlexAttention: forward only, no compiled kernel
+    monkeypatch.setattr(ring, "_default_block_op", lambda device: flex)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 48, 16, generator=g) for h in (4, 2, 2))
+    want = ring_op.dense_ring_attention(q, k, v, block_size=16)
+    with _PassThrough():
+        got = ring_op.dense_ring_attention(q, k, v, block_size=16)
+    # the same FlexAttention call on the same inputs: equal up to its own run-to-run rounding (none seen on CPU)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    monkeypatch.setattr(ring_op, "outside_dispatch_mode", contextlib.nullcontext)
+    with pytest.raises((NotImplementedError, RuntimeError)), _PassThrough():  # vmap / autograd keys excluded
+        ring_op.dense_ring_attention(q, k, v, block_size=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention and the Triton kernels)")
+@pytest.mark.parametrize("packed", [False, True])
+def test_ring_ops_compile_on_cuda(packed):
+    """On one CUDA device (no process group), ``torch.compile(fullgraph=True)`` of the dense ring op (FlexAttention:
+    its first compiled call used to fail in ``BlockMask.from_kv_blocks``, "Cannot access storage of
+    BatchedTensorImpl", Note [Ops under a dispatch mode] in ring_op), and of the estimate and sparse ring ops (the
+    Triton kernels; packed documents: the torch op), forward and backward, equal the same ops run eagerly."""
+    from lightning_mtraining import SparsityConfig
+    from lightning_mtraining.layouts import document_starts
+    from lightning_mtraining.ring_op import dense_ring_attention
+    from lightning_mtraining.sparse_ring_op import estimate_pattern_op, sparse_ring_attention
+
+    torch._dynamo.reset()
+    S, dev = 4096, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, h, S, 64, device=dev, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    doc = None
+    if packed:
+        doc = document_starts(torch.cat([torch.arange(n) for n in (1500, 1000, S - 2500)])[None].to(dev))
+    sparsity = SparsityConfig(vertical_topk=64, slash_topk=32)
+
+    def step(q, k, v):
+        dense = dense_ring_attention(q, k, v, doc_start=doc)
+        vertical, slash = estimate_pattern_op(q, k, sparsity, doc_start=doc)
+        sparse = sparse_ring_attention(q, k, v, vertical, slash, tile_size=sparsity.tile_size, doc_start=doc)
+        return dense, sparse
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True), torch.compile(step, fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        dense, sparse = fn(*leaves)
+        (dense.float().square().sum() + sparse.float().square().sum()).backward()
+        results.append([dense.detach(), sparse.detach()] + [t.grad for t in leaves])
+    for compiled in results[1:]:  # the first compiled call (under the aliasing check's mode) and a later one
+        for got, want in zip(compiled, results[0]):
+            # the same kernels on the same inputs, compiled or not: any difference is a different code path, not
+            # rounding; bf16 tolerances of torch.testing cover FlexAttention's own run-to-run order (atomics in its
+            # backward)
+            torch.testing.assert_close(got, want)
