@@ -70,8 +70,8 @@ from lightning_mtraining.hf import (
     find_hf_models,
     validate_model,
 )
-from lightning_mtraining.layouts import LAYOUTS
-from lightning_mtraining.losses import FUSED_LOSS_BACKENDS, is_marked_loss, unmarked_loss_message
+from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
+from lightning_mtraining.options import LOSS_CHECKS, ContextParallelOptions, document_options  # noqa: F401
 from lightning_mtraining.parallel import ContextParallel, check_sparsity_args, restore_batch_type  # noqa: F401
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
@@ -87,9 +87,6 @@ __all__ = [
     "resolve_inner_ring_size",
 ]
 
-LOSS_CHECKS = ("raise", "warn", "off")
-
-
 def check_context_parallel_args(
     context_parallel_size: int | str,
     inner_ring_size: int | None,
@@ -97,20 +94,9 @@ def check_context_parallel_args(
     block_size: int,
     loss_check: str = "raise",
 ) -> None:
-    """Validate the strategy arguments that do not depend on the world size."""
-    if context_parallel_size != "auto" and (
-        isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int)
-        or context_parallel_size < 1
-    ):
-        raise ValueError(f"context_parallel_size must be 'auto' or a positive int, got {context_parallel_size!r}")
-    if inner_ring_size is not None and (not isinstance(inner_ring_size, int) or inner_ring_size < 1):
-        raise ValueError(f"inner_ring_size must be None or a positive int, got {inner_ring_size!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if loss_check not in LOSS_CHECKS:
-        raise ValueError(f"loss_check must be one of {LOSS_CHECKS}, got {loss_check!r}")
+    """Validate the strategy arguments that do not depend on the world size (:class:`ContextParallelOptions`)."""
+    ContextParallelOptions(context_parallel_size=context_parallel_size, inner_ring_size=inner_ring_size,  # type: ignore[arg-type]
+                           layout=layout, block_size=block_size, loss_check=loss_check, owner="mtraining")  # type: ignore[arg-type]
 
 
 def describe_mesh(owner: str, world_size: int, cp_size: int, inner_size: int, layout: str, block_size: int) -> str:
@@ -230,29 +216,14 @@ class ContextParallelMixin:
     Mixed into a DDP strategy (which provides ``world_size``, ``global_rank``, ``num_processes``, ``root_device``).
     """
 
-    def _init_context_parallel(
-        self,
-        context_parallel_size: int | str,
-        inner_ring_size: int | None,
-        layout: str,
-        block_size: int,
-        sparsity: SparsityConfig | None,
-        loss_check: str = "raise",
-        fused_loss: bool | str = True,
-        activation_checkpointing: bool = False,
-        nonfinite_check: str = "raise",
-    ) -> None:
-        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
-        if nonfinite_check not in LOSS_CHECKS:
-            raise ValueError(f"{type(self).__name__}(nonfinite_check=...) must be one of {LOSS_CHECKS}, got "
-                             f"{nonfinite_check!r}")
-        check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [sparsity], layout, block_size)
-        if not isinstance(activation_checkpointing, bool):
-            raise TypeError(f"{type(self).__name__}(activation_checkpointing=...) must be True or False, got "
-                            f"{activation_checkpointing!r}")
-        if not isinstance(fused_loss, bool) and fused_loss not in FUSED_LOSS_BACKENDS:
-            raise TypeError(f"{type(self).__name__}(fused_loss=...) must be True, False or a backend name "
-                            f"{FUSED_LOSS_BACKENDS}, got {fused_loss!r}")
+    def _init_context_parallel(self, options: ContextParallelOptions) -> None:
+        check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [options.sparsity], options.layout,
+                            options.block_size)
+        self.options = options
+        context_parallel_size, inner_ring_size = options.context_parallel_size, options.inner_ring_size
+        layout, block_size, sparsity = options.layout, options.block_size, options.sparsity
+        loss_check, fused_loss, nonfinite_check = options.loss_check, options.fused_loss, options.nonfinite_check
+        activation_checkpointing = options.activation_checkpointing
         self.fused_loss = fused_loss
         self.activation_checkpointing = activation_checkpointing
         self._fused: list[FusedLoss] = []
@@ -582,52 +553,22 @@ class TrainerStepHooks:
 
 
 def check_offload(owner: str, offload_activations: Any) -> None:
-    if not isinstance(offload_activations, bool):
-        raise TypeError(f"{owner}(offload_activations=...) must be True or False, got {offload_activations!r}")
+    """``offload_activations`` must be a bool (:class:`ContextParallelOptions`)."""
+    ContextParallelOptions(offload_activations=offload_activations, owner=owner)
 
 
+@document_options
 class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for the Lightning ``Trainer``.
 
+    ``strategy="mtraining"`` is this class with :data:`PAPER_SPARSITY` (top-p 0.9, caps 4096);
+    ``strategy="mtraining_dense"`` with ``sparsity=None``.
+
     Args:
-        context_parallel_size: ranks that share one sequence; ``"auto"`` = all ranks. Must divide
-            ``num_nodes x devices``; the quotient is the data-parallel size.
-        inner_ring_size: ranks of one inner ring of hierarchical ring attention; ``None`` = one node's ranks
-            when the CP group spans several nodes (flat ring otherwise).
-        layout: token layout of the shards (``"striped"`` balances causal and vertical-slash work).
-        block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
-        sparsity: vertical-slash budgets for sparse ring attention (the pattern is estimated online for every
-            layer and forward, :func:`~lightning_mtraining.estimation.estimate_pattern`), or ``None`` for dense
-            (exact) attention. ``strategy="mtraining"`` is this class with :data:`PAPER_SPARSITY` (top-p 0.9, caps
-            4096); ``strategy="mtraining_dense"`` with ``None``. Per-layer overrides, logging of density and
-            imbalance: :class:`~lightning_mtraining.callback.SparseAttentionCallback`.
+        (the ContextParallelOptions fields, rendered here by document_options)
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: process-group timeout.
         start_method: how Lightning starts processes (as in ``DDPStrategy``).
-        loss_check: what to do when the loss reaching backward did not come through a sharding-aware path
-            (``model(**batch).loss``, :func:`~lightning_mtraining.losses.causal_lm_loss`) while the sequence is
-            split: ``"raise"`` (default), ``"warn"`` (once) or ``"off"``; see Note [Checking the loss] in
-            :mod:`lightning_mtraining.losses`.
-        gather_outputs: return the outputs of ``validation_step``, ``test_step`` and ``predict_step`` whole
-            (tensors holding this rank's shard of the sequence are gathered, put in global order and unpadded;
-            see :meth:`~ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards.
-        fused_loss: a model called with labels computes its loss from the hidden states a chunk of rows at a
-            time and never materialises the ``[B, L, vocab]`` logits unless the step reads ``out.logits``;
-            for the model types in :data:`~lightning_mtraining.hf.FUSED_LOSS_MODEL_TYPES`, others keep the plain
-            loss. See Note [Fused loss] in :mod:`lightning_mtraining.fused_loss_hook`. ``False``: the model's own
-            loss. A backend name picks the implementation: ``"auto"`` (what ``True`` means: Liger-Kernel on CUDA where it
-            is installed and applies, else the torch one), ``"torch"`` or ``"liger"`` (see
-            :func:`~lightning_mtraining.losses.fused_linear_cross_entropy`).
-        activation_checkpointing: recompute each decoder layer in backward (Hugging Face
-            ``gradient_checkpointing_enable``, non-reentrant): activations kept per layer are its input only.
-        nonfinite_check: ``"raise"`` (default): a NaN or infinite loss on any rank stops the run before backward
-            with a ``FloatingPointError`` naming where the forward first stopped being finite (the first attention
-            layer whose input hidden states were non-finite, or that produced them); ``"warn"`` warns once and
-            trains on (a float16 grad scaler skips such steps); ``"off"``. Costs two reductions per layer, one
-            host sync and one all-reduce of a flag per step.
-        offload_activations: keep the tensors saved for backward during ``training_step`` in pinned host memory
-            (``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs,
-            so GPU activation memory no longer grows with depth. Costs host-device copies each step.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
     """
 
@@ -656,8 +597,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         **kwargs: Any,
     ) -> None:
-        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
-        check_offload("MTrainingStrategy", offload_activations)
+        options = ContextParallelOptions.from_arguments(type(self).__name__, locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -669,10 +609,9 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing, nonfinite_check)
-        self._gather_outputs = gather_outputs
-        self.offload_activations = offload_activations
+        self._init_context_parallel(options)
+        self._gather_outputs = options.gather_outputs
+        self.offload_activations = options.offload_activations
 
     @override
     def _configure_launcher(self) -> None:
