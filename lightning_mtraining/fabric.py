@@ -1,7 +1,7 @@
 """``MTrainingFabricStrategy``: data parallel x context parallel for Lightning Fabric.
 
 The same arguments and behaviour as :class:`~lightning_mtraining.strategy.MTrainingStrategy` (the shared
-logic lives in :class:`~lightning_mtraining.strategy.ContextParallelMixin`). Fabric never calls
+logic lives in :class:`~lightning_mtraining.context_parallel.ContextParallelMixin`). Fabric never calls
 ``batch_to_device``, so sharding happens in the dataloader: ``fabric.setup_dataloaders(loader)`` returns a
 loader whose batches are already on the device and sharded for this rank (and the DistributedSampler Fabric
 injects uses the data-parallel rank/size). Batches from elsewhere: ``fabric.strategy.shard_batch(batch)``.
@@ -36,7 +36,9 @@ from typing_extensions import override
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.options import TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.strategy import ContextParallelMixin, check_sparsity_args, register_names
+from lightning_mtraining.context_parallel import ContextParallelMixin
+from lightning_mtraining.parallel import check_sparsity_args
+from lightning_mtraining.strategy import register_names
 
 __all__ = ["MTrainingFabricStrategy"]
 

@@ -78,7 +78,7 @@ FIELD_DOCS: dict[str, str] = {
     "gather_outputs": (
         "(Trainer) return the outputs of ``validation_step``, ``test_step`` and ``predict_step`` whole (tensors "
         "holding this rank's shard of the sequence are gathered, put in global order and unpadded; see "
-        ":meth:`~lightning_mtraining.strategy.ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards."),
+        ":meth:`~lightning_mtraining.context_parallel.ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards."),
     "offload_activations": (
         "(Trainer) keep the tensors saved for backward during ``training_step`` in pinned host memory "
         "(``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs, so "

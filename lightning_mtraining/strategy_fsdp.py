@@ -26,7 +26,8 @@ from typing_extensions import override
 from lightning_mtraining.hf import find_hf_models
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.options import ContextParallelOptions, document_options
-from lightning_mtraining.strategy import ContextParallelMixin, TrainerStepHooks
+from lightning_mtraining.context_parallel import ContextParallelMixin
+from lightning_mtraining.strategy import TrainerStepHooks
 
 __all__ = ["MTrainingFSDPStrategy"]
 
