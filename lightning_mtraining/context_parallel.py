@@ -19,7 +19,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_mtraining.hf import ContextParallelPlan, FusedLoss, PreparedModel, find_hf_models, validate_model
+from lightning_mtraining.hf import (
+    ContextParallelPlan,
+    FusedLoss,
+    PreparedModel,
+    compile_decoder_layers,
+    find_hf_models,
+    validate_model,
+)
 from lightning_mtraining.losses import is_marked_loss, unmarked_loss_message
 from lightning_mtraining.options import ContextParallelOptions
 from lightning_mtraining.parallel import ContextParallel, check_sparsity_args
@@ -309,6 +316,9 @@ class ContextParallelMixin:
             fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
             owner=type(self).__name__, watch_nonfinite=self.nonfinite_check != "off",
         )
+        if self.options.compile:  # after the hooks and activation checkpointing, as compile_decoder_layers asks
+            kwargs = self.options.compile if isinstance(self.options.compile, dict) else {}
+            compile_decoder_layers(module, **kwargs)
         self._cp = cp
         self._models_ready = True
         self._prepared, self._fused, self._pad_multiple = cp.prepared, cp.fused, cp.pad_multiple

@@ -103,6 +103,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         options = ContextParallelOptions.from_arguments(type(self).__name__, locals())

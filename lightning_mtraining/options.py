@@ -75,6 +75,13 @@ FIELD_DOCS: dict[str, str] = {
         "input hidden states were non-finite, or that produced them); ``\"warn\"`` warns once and trains on (a "
         "float16 grad scaler skips such steps); ``\"off\"``. Costs two reductions per layer, one host sync and one "
         "all-reduce of a flag per step."),
+    "compile": (
+        "compile every decoder layer of the Hugging Face models with ``torch.compile`` once they are prepared "
+        "(:func:`~lightning_mtraining.hf.compile_decoder_layers`: each layer in place, as torchtitan compiles its "
+        "blocks; the embeddings, the loss and the hooks stay eager). ``True``: torch's defaults; a dict: "
+        "``torch.compile`` keyword arguments, e.g. ``{\"fullgraph\": True, \"mode\": \"max-autotune-no-cudagraphs\"}``. "
+        "Ring attention, the pattern estimator and the sparse ring are custom ops inside a compiled layer, so "
+        "``fullgraph=True`` holds; the density and imbalance metrics are measured in eager forwards only."),
     "gather_outputs": (
         "(Trainer) return the outputs of ``validation_step``, ``test_step`` and ``predict_step`` whole (tensors "
         "holding this rank's shard of the sequence are gathered, put in global order and unpadded; see "
@@ -102,6 +109,7 @@ class ContextParallelOptions:
     fused_loss: bool | str = True
     activation_checkpointing: bool = False
     nonfinite_check: Literal["raise", "warn", "off"] = "raise"
+    compile: bool | dict[str, Any] = False
     gather_outputs: bool = True
     offload_activations: bool = False
     owner: str = dataclasses.field(default="ContextParallelOptions", compare=False, repr=False)
@@ -126,6 +134,10 @@ class ContextParallelOptions:
         if not isinstance(self.fused_loss, bool) and self.fused_loss not in FUSED_LOSS_BACKENDS:
             raise TypeError(f"{o}(fused_loss=...) must be True, False or a backend name {FUSED_LOSS_BACKENDS}, got "
                             f"{self.fused_loss!r}")
+        if not isinstance(self.compile, (bool, dict)) or (isinstance(self.compile, dict) and not all(
+                isinstance(key, str) for key in self.compile)):
+            raise TypeError(f"{o}(compile=...) must be True, False or a dict of torch.compile keyword arguments, got "
+                            f"{self.compile!r}")
         for name in ("activation_checkpointing", "gather_outputs", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{o}({name}=...) must be True or False, got {getattr(self, name)!r}")

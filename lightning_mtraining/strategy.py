@@ -196,6 +196,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         options = ContextParallelOptions.from_arguments(type(self).__name__, locals())

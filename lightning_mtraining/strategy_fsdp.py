@@ -64,6 +64,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
+        compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,

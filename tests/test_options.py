@@ -57,6 +57,7 @@ def test_every_field_is_documented():
     ({"fused_loss": "cuda"}, TypeError, "fused_loss=...) must be True, False or a backend name"),
     ({"activation_checkpointing": 1}, TypeError, "activation_checkpointing=...) must be True or False, got 1"),
     ({"sparsity": {"vertical_topk": 8}}, TypeError, "sparsity=...) must be a SparsityConfig or None, got dict"),
+    ({"compile": "max-autotune"}, TypeError, "compile=...) must be True, False or a dict of torch.compile keyword"),
 ])
 def test_bad_options_name_the_strategy_the_option_and_the_value(cls, kwargs, error, words):
     with pytest.raises(error, match=rf"^{cls.__name__}\({next(iter(kwargs))}=\.\.\.\) must be ") as info:
