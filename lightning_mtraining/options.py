@@ -79,7 +79,7 @@ FIELD_DOCS: dict[str, str] = {
         "compile every decoder layer of the Hugging Face models with ``torch.compile`` once they are prepared "
         "(:func:`~lightning_mtraining.hf.compile_decoder_layers`: each layer in place, as torchtitan compiles its "
         "blocks; the embeddings, the loss and the hooks stay eager). ``True``: torch's defaults; a dict: "
-        "``torch.compile`` keyword arguments, e.g. ``{\"fullgraph\": True, \"mode\": \"max-autotune-no-cudagraphs\"}``. "
+        "``torch.compile`` keyword arguments, e.g. ``{\"fullgraph\": True}``. "
         "Ring attention, the pattern estimator and the sparse ring are custom ops inside a compiled layer, so "
         "``fullgraph=True`` holds; the density and imbalance metrics are measured in eager forwards only."),
     "gather_outputs": (
