@@ -25,6 +25,15 @@ random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``
   S slashes cover at most about 2 S of the N / 128 tile diagonals, V verticals V of the keys (the density is
   printed); a small S is the fixed-density mode for what the kernels give a step at a trained model's sparsity.
 
+``--compile on`` (or ``both``: each variant eager, then compiled, in separate processes): every decoder layer
+compiled with ``torch.compile(fullgraph=True)``: the mtraining variants through ``MTrainingStrategy(compile=...)``,
+the others with ``lightning_mtraining.hf.compile_decoder_layers`` on the plain model (rows labelled ``compiled``).
+The first steps compile (``--warmup`` of at least 1 keeps that out of the timed steps; more than one length per
+process recompiles per length). Compiled vs eager on one GPU, dense and sparse::
+
+    python benchmarks/train_throughput.py --variants sdpa mtraining_dense sparse_topk --seqlens 32768 65536 \
+        --compile both --warmup 2 --steps 3 --out $OUT/train_throughput_compile.json
+
 ``--deterministic``: ``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``): what bit-identical
 reruns cost (``tests/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
 strategy's non-finite loss guard (what the guard costs).
@@ -130,7 +139,11 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     import transformers
 
     from lightning_mtraining import MTrainingStrategy, SparsityConfig
+    from lightning_mtraining.hf import compile_decoder_layers
     from lightning_mtraining.strategy import PAPER_SPARSITY
+
+    compiled = args.compile == "on"
+    compile_kwargs = {"fullgraph": True}
 
     cuda = not args.cpu_smoke
     shape = dict(SMOKE if args.cpu_smoke else QWEN_3B)
@@ -146,6 +159,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             with torch.device("cuda" if cuda else "cpu"):
                 self.model = transformers.Qwen2ForCausalLM(config)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if compiled and variant in ("sdpa", "ddp1", "flex"):  # mtraining variants: the strategy's option
+                compile_decoder_layers(self.model, **compile_kwargs)
 
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
@@ -206,12 +221,13 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
                     "sparse_topk": SparsityConfig(vertical_topk=args.topk[0], slash_topk=args.topk[1])}.get(variant)
         fused = {"mtraining_dense_plain_loss": False, "mtraining_dense_torch_loss": "torch"}.get(variant, True)
         return MTrainingStrategy(sparsity=sparsity, fused_loss=fused, nonfinite_check=args.nonfinite_check,
-                                 offload_activations=args.offload)
+                                 offload_activations=args.offload, compile=compile_kwargs if compiled else False)
 
     extra = 1 if args.split else 0  # the profiled step
     rows, failed = [], False
     for n in seqlens:
         label = f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant
+        label += " compiled" if compiled else ""
         label += " det" if args.deterministic else ""
         label += f" nonfinite={args.nonfinite_check}" if args.nonfinite_check != "raise" else ""
         row = {"variant": label, "N": n}
@@ -316,6 +332,8 @@ def main() -> None:
                     help="Trainer(deterministic=True): torch.use_deterministic_algorithms, what bit-identical reruns cost")
     ap.add_argument("--topk", type=int, nargs=2, default=[1024, 1024], metavar=("V", "S"),
                     help="sparse_topk: vertical and slash budget per head")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="compile every decoder layer (fullgraph); both: each variant eager, then compiled")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--out", default="train_throughput.json")
@@ -341,9 +359,11 @@ def main() -> None:
         pass
     print(info, flush=True)
     rows: list[dict] = []
-    for v in args.variants:
+    modes = ("off", "on") if args.compile == "both" else (args.compile,)
+    for v, mode in ((v, mode) for v in args.variants for mode in modes):
         lens = [n for n in args.seqlens if v not in caps or n <= int(caps[v])]
-        cmd = [sys.executable, __file__, "--one", v, "--seqlens", *map(str, lens), "--layers", str(args.layers),
+        cmd = [sys.executable, __file__, "--one", v, "--compile", mode, "--seqlens", *map(str, lens),
+               "--layers", str(args.layers),
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--split" if args.split else "--no-split"]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--offload"] if args.offload else []
@@ -356,10 +376,11 @@ def main() -> None:
         if found:
             rows += json.loads(found[-1][5:])
         else:
-            rows.append({"variant": v, "N": lens[0] if lens else 0, "status": f"process failed rc={proc.returncode}",
+            rows.append({"variant": v + (" compiled" if mode == "on" else ""), "N": lens[0] if lens else 0,
+                         "status": f"process failed rc={proc.returncode}",
                          "error": proc.stderr[-1500:]})
             print(proc.stderr[-3000:], file=sys.stderr)
-        print(f"{v}: {time.time() - t0:.0f} s", flush=True)
+        print(f"{v}{' compiled' if mode == 'on' else ''}: {time.time() - t0:.0f} s", flush=True)
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
     print_table(rows)

@@ -43,6 +43,7 @@ __all__ += ["sparse_attention"]
 # Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
 from lightning_mtraining.callback import SparseAttentionCallback
 from lightning_mtraining.fabric import MTrainingFabricStrategy
+from lightning_mtraining.hf import compile_decoder_layers
 from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_linear_cross_entropy
 from lightning_mtraining.parallel import ContextParallel, apply_context_parallel
 from lightning_mtraining.strategy import MTrainingStrategy
@@ -53,6 +54,8 @@ __all__ += ["ContextParallelOptions", "MTrainingFSDPStrategy", "MTrainingFabricS
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
 __all__ += ["ContextParallel", "apply_context_parallel"]
+# torch.compile of each decoder layer (what the strategies' compile= option does), for plain loops and configure_model
+__all__ += ["compile_decoder_layers"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.

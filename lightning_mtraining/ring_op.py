@@ -15,12 +15,16 @@ The first call of a compiled graph runs under AOTAutograd's ``_AnalyzeCustomOpIn
 ``TorchDispatchMode`` that checks whether custom ops' outputs alias their inputs; ``torch._functorch.config.
 check_custom_op_aliasing``). A mode hands each op to its ``__torch_dispatch__`` with every dispatch key above
 ``Python`` excluded in the thread-local state, functorch's (vmap) and ``ADInplaceOrView`` among them, and our op's
-implementation runs inside that call. Everything it runs that needs those keys then fails: FlexAttention's
-``BlockMask.from_kv_blocks`` (a ``torch.vmap``: "Cannot access storage of BatchedTensorImpl", seen on CUDA) and its
-``mask_mod`` indexing (an ``autograd.Function`` under vmap: "could not find kernel for custom_function_call", seen on
-CPU with an uncompiled FlexAttention); later calls run without the mode and work. :func:`outside_dispatch_mode`
-restores the keys a mode's call excluded (autograd and autocast stay excluded, as in any op implementation) for the
-op's body; every op of this package runs its body under it.
+implementation runs inside that call. Everything it runs that needs those keys then fails. Seen: on CUDA (torch
+2.11, an H100) the compiled dense op failed in FlexAttention's ``BlockMask.from_kv_blocks`` (a ``torch.vmap``):
+"Cannot access storage of BatchedTensorImpl"; on CPU (torch 2.13) the same op with an uncompiled FlexAttention fails
+under compile, and eagerly inside any pass-through dispatch mode, at the ``mask_mod``'s indexing (an
+``autograd.Function`` under vmap): "could not find kernel for custom_function_call"; it passes with the check turned
+off (``check_custom_op_aliasing = False``) or with :func:`outside_dispatch_mode`. That context restores the keys a
+mode's call excluded (autograd and autocast stay excluded, as in any op implementation) for the op's body; every op of
+this package runs its body under it (``tests/test_compile.py``: the CPU case, and the CUDA one on a GPU).
+
+The estimator and the sparse ring are ops too: :mod:`lightning_mtraining.sparse_ring_op`.
 """
 
 from __future__ import annotations
