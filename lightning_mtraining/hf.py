@@ -87,8 +87,13 @@ class ContextParallelPlan:
     schedule: Any = None  # AttentionSchedule: sparse layers over time, the per-forward patterns, statistics
     # which model forward runs: a CPU tensor, so compiled layers read it as an input (an int would be a constant of
     # their graphs); the estimate op keeps one pattern per layer and forward by it (sparse_ring_op)
-    forward_id: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    uid: str = dataclasses.field(default_factory=new_plan_uid)  # names this plan's patterns in the estimate op
+    forward_id: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
+                                                 compare=False, repr=False)
+    uid: str = dataclasses.field(default_factory=new_plan_uid, compare=False)  # names its patterns in the estimate op
+    layer_ids: tuple[int, ...] = ()  # the attention layers of the prepared models
+    # each layer's sparsity for this forward (the schedule's decision, made when the forward begins): compiled layers
+    # read it here, so their graphs do not hold the step count (a recompile every step)
+    layer_configs: dict[int, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         track_plan(self, self.uid)
@@ -98,6 +103,8 @@ class ContextParallelPlan:
         self.forward_id += 1
         if self.schedule is not None:
             self.schedule.begin_forward(training=training)
+            for layer_idx in self.layer_ids:  # in place: the dict compiled layers read stays the same object
+                self.layer_configs[layer_idx] = self.schedule.config_for(layer_idx)
 
     @property
     def inner_size(self) -> int:
@@ -131,7 +138,12 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
     plan = cfg.plan
     schedule = plan.schedule if plan is not None else None
     layer_idx = getattr(module, "layer_idx", None)
-    sparsity = schedule.config_for(layer_idx) if schedule is not None else cfg.sparsity
+    if schedule is None:
+        sparsity = cfg.sparsity
+    elif as_op and layer_idx in plan.layer_configs:  # decided when the forward began (no step count in the graph)
+        sparsity = plan.layer_configs[layer_idx]
+    else:
+        sparsity = schedule.config_for(layer_idx)
     if sparsity is None:
         return None
     n_total = query.shape[2] * cfg.cp_size
@@ -421,6 +433,7 @@ class PreparedModel:
                 f"(it kept {model.config._attn_implementation!r}): unknown attention"
             )
         self.attention_modules = attention_modules(model)
+        plan.layer_ids = tuple(sorted(set(plan.layer_ids) | {m.layer_idx for m in self.attention_modules}))
         for m in self.attention_modules:
             sparsity = layer_sparsity(m.layer_idx) if layer_sparsity is not None else None
             setattr(
@@ -577,9 +590,10 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> list[nn.M
     module names and the ``state_dict`` keys do not change (``nn.Module.compile``, no ``_orig_mod`` wrapper).
 
     Each layer's graph holds its layer index as a constant (dense layers, per-layer budgets, its pattern's key), so
-    every layer compiles its own graph; torch stops recompiling one function after
-    ``torch._dynamo.config.recompile_limit`` graphs (8 by default) and runs the rest eagerly, so this raises that
-    limit to the number of layers plus 8 when it is lower (logged).
+    every layer compiles its own graph, and again where a constant it read changes (a new sequence length, the end of
+    a dense warm-up, the non-finite watch's first forward); torch stops recompiling one function after
+    ``torch._dynamo.config.recompile_limit`` graphs (8 by default), an error with ``fullgraph=True``, so this raises
+    that limit to four graphs per layer plus 8 when it is lower (logged).
     """
     layers = decoder_layers(model)
     if not layers:
@@ -588,7 +602,7 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> list[nn.M
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    needed = len(layers) + 8
+    needed = 4 * len(layers) + 8
     if getattr(dynamo_config, name) < needed:
         _log.info("compile_decoder_layers: torch._dynamo.config.%s raised from %d to %d (one graph per layer)", name,
                   getattr(dynamo_config, name), needed)

@@ -180,9 +180,10 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
 
 def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner_group: str, outer_group: str,
                   layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
-                  verticals: str):
+                  verticals: str, validate: bool = False):
     """What :func:`~lightning_mtraining.ring.ring_attention` decides before a sparse ring, from the op's arguments:
-    the topology, positions, block op, per-step lists, estimator group and variant keywords."""
+    the topology, positions, block op, per-step lists, estimator group and variant keywords (``validate``: check the
+    pattern against the sequence and heads, one host sync; the forward does, the backward gets the same pattern)."""
     topo = _topology(group, inner_group, outer_group)
     _validate(q, k, v, layout, block_size, topo.cp_size)
     n = q.shape[2] * topo.cp_size
@@ -191,6 +192,8 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     variant = attention_variant(None, softcap, doc_start)
     doc_skips = document_skips(positions, topo.cp_rank, doc_start) if doc_start is not None else None
     pattern = VerticalSlashPattern(vertical_idx, slash_idx, tile_size)
+    if validate:
+        pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     _check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
     op = _variant_op(_sparse_op(None, q.device, tile_size), None, softcap)
     if doc_start is not None:
@@ -210,7 +213,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical_idx:
     with outside_dispatch_mode():
         topo, positions, op, plan, est_group, variant, doc_skips = _sparse_setup(
             q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size,
-            tile_size, scale, softcap, verticals)
+            tile_size, scale, softcap, verticals, validate=True)
         (out, lse), _ = _ring_forward(q, torch.stack([k, v]), topo, positions, op, scale, plan, est_group, variant,
                                       doc_skips)
     return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
