@@ -39,11 +39,10 @@ from torch import nn
 from lightning_mtraining.estimation import attention_recall
 from lightning_mtraining.fused_loss_hook import FUSED_LOSS_MODEL_TYPES, FusedLoss, prepare_fused_loss
 from lightning_mtraining.losses import exact_group_loss
-from lightning_mtraining.pattern import VerticalSlashPattern
 from lightning_mtraining.ring import resolve_pattern, ring_attention
 from lightning_mtraining.ring_op import dense_ring_attention
-from lightning_mtraining.sparse_ring_op import estimate_pattern_op, new_plan_uid, sparse_ring_attention, track_plan
 from lightning_mtraining.sharding import IGNORE_INDEX, ShardedBatch, shift_labels_sharded, tag_shard
+from lightning_mtraining.sparse_ring_op import estimate_pattern_op, new_plan_uid, sparse_ring_attention, track_plan
 
 __all__ = [
     "ATTENTION_NAME",
@@ -132,8 +131,9 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
 
     Sparse per the schedule (:mod:`lightning_mtraining.schedule`): the layer's config, dense layers, the dense
     warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
-    to estimate from). One estimate per layer and forward (Note [One pattern per forward]), compiled or not: the
-    schedule keeps what the estimate op returned, so a checkpointed layer's recompute reads it.
+    to estimate from). One estimate per layer and forward (Note [One pattern per forward]), compiled or not: eager,
+    the schedule keeps the pattern for a checkpointed layer's recompute; compiled, the estimate op returns it again
+    (:mod:`lightning_mtraining.sparse_ring_op`).
     """
     plan = cfg.plan
     schedule = plan.schedule if plan is not None else None
@@ -244,11 +244,6 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
                 outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)
     if pattern is None and (cfg.cp_size > 1 or compiling):
         return dense_ring_attention(query, key, value, window=window, **args)
-    # a pattern the schedule kept from the other mode (an eager recompute of a compiled forward, or the reverse)
-    if isinstance(pattern, VerticalSlashPattern) and compiling:
-        pattern = (pattern.vertical_idx, pattern.slash_idx, pattern.tile_size)
-    elif isinstance(pattern, tuple) and not compiling:
-        pattern = VerticalSlashPattern(*pattern)
     if compiling:
         vertical_idx, slash_idx, tile_size = pattern
         return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size, **args)
@@ -604,7 +599,7 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> list[nn.M
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     needed = 4 * len(layers) + 8
     if getattr(dynamo_config, name) < needed:
-        _log.info("compile_decoder_layers: torch._dynamo.config.%s raised from %d to %d (one graph per layer)", name,
+        _log.info("compile_decoder_layers: torch._dynamo.config.%s raised from %d to %d (graphs per layer)", name,
                   getattr(dynamo_config, name), needed)
         setattr(dynamo_config, name, needed)
     for layer in layers:

@@ -64,7 +64,8 @@ from lightning_mtraining.ring import (
 )
 from lightning_mtraining.ring_op import _group, _name, _topology, outside_dispatch_mode
 
-__all__ = ["estimate_pattern_op", "new_plan_uid", "pattern_widths", "sparse_ring_attention"]
+__all__ = ["estimate_pattern_op", "forget_plan", "new_plan_uid", "pattern_widths", "sparse_ring_attention",
+           "track_plan"]
 
 # (plan uid / layer) -> (forward id, vertical_idx, slash_idx): the last pattern each layer estimated through the op
 _REUSE: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
