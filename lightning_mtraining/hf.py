@@ -88,7 +88,7 @@ class ContextParallelPlan:
     # their graphs); the estimate op keeps one pattern per layer and forward by it (sparse_ring_op)
     forward_id: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
                                                  compare=False, repr=False)
-    uid: str = dataclasses.field(default_factory=new_plan_uid, compare=False)  # names its patterns in the estimate op
+    uid: int = dataclasses.field(default_factory=new_plan_uid, compare=False)  # names its patterns in the estimate op
     layer_ids: tuple[int, ...] = ()  # the attention layers of the prepared models
     # each layer's sparsity for this forward (the schedule's decision, made when the forward begins): compiled layers
     # read it here, so their graphs do not hold the step count (a recompile every step)
@@ -123,6 +123,9 @@ class RingAttentionConfig:
     inner_group: dist.ProcessGroup | None = None
     outer_group: dist.ProcessGroup | None = None
     plan: ContextParallelPlan | None = None  # the shared plan: the current batch and the attention schedule
+    # ``[plan.uid, layer_idx]`` on the CPU: the layer's key for the estimate op's pattern reuse (sparse_ring_op); a
+    # tensor, so the compiled layers' graphs do not differ by a constant and compile once
+    layer_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
 
 def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling, as_op: bool = False) -> Any:
@@ -156,7 +159,7 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
 
     def estimate():
         if as_op:
-            reuse = None if plan is None else (plan.forward_id, f"{plan.uid}/{layer_idx}")
+            reuse = None if plan is None or cfg.layer_key is None else (plan.forward_id, cfg.layer_key)
             return (*estimate_pattern_op(query, key, sparsity, group=cfg.group, layout=cfg.layout,
                                          block_size=cfg.block_size, seq_len=lengths, scale=scaling,
                                          layer_idx=layer_idx, doc_start=doc_start, reuse=reuse), sparsity.tile_size)
@@ -436,7 +439,7 @@ class PreparedModel:
                 _CONFIG_ATTR,
                 RingAttentionConfig(
                     plan.group, plan.cp_size, plan.layout, plan.block_size, sparsity, plan.inner_group,
-                    plan.outer_group, plan,
+                    plan.outer_group, plan, torch.tensor([plan.uid, _layer_number(m)], dtype=torch.int64),
                 ),
             )
         self._handles = [
@@ -558,6 +561,11 @@ class PreparedModel:
             output["loss"] = exact
             return output
         return (exact, *output[1:])
+
+
+def _layer_number(module: nn.Module) -> int:
+    layer_idx = getattr(module, "layer_idx", None)
+    return -1 if layer_idx is None else int(layer_idx)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

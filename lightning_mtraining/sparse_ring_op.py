@@ -26,9 +26,10 @@ One pattern per forward (Note [One pattern per forward] in :mod:`lightning_mtrai
 recomputed by activation checkpointing must run the same graph as its forward (non-reentrant checkpointing checks
 that the recompute saves the same tensors), so the pattern cannot come from the schedule's cache there (a second
 graph). Instead the estimate op takes ``reuse=(forward_id, key)``: a CPU int64 tensor naming the model forward (an
-input of the graph, bumped by the model hook each forward) and a string naming the plan and layer; called again with
-the same pair, it returns the pattern it estimated then, without estimating or communicating (every rank of the group
-makes the same decision: they share the forward count). One pattern per (plan, layer) is kept, until the next
+input of the graph, bumped by the model hook each forward) and one naming the plan and layer (an input too, so the
+layers' graphs are one graph, compiled once); called again with the same pair, it returns the pattern it estimated
+then, without estimating or communicating (every rank of the group makes the same decision: they share the forward
+count). One pattern per (plan, layer) is kept, until the next
 forward's replaces it or the plan is freed. The compiled layers do not measure the density, imbalance or recall
 (host work); those are measured in eager forwards only.
 """
@@ -67,24 +68,24 @@ from lightning_mtraining.ring_op import _group, _name, _topology, outside_dispat
 __all__ = ["estimate_pattern_op", "forget_plan", "new_plan_uid", "pattern_widths", "sparse_ring_attention",
            "track_plan"]
 
-# (plan uid / layer) -> (forward id, vertical_idx, slash_idx): the last pattern each layer estimated through the op
-_REUSE: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+# (plan number, layer) -> (forward id, vertical_idx, slash_idx): the last pattern each layer estimated through the op
+_REUSE: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
 _PLAN_IDS = itertools.count()
 estimations = 0  # patterns the op estimated (not reused) so far: a test hook for Note [One pattern per forward]
 
 
-def new_plan_uid() -> str:
-    """A name for a new context-parallel plan, never reused in this process (its patterns' keys in the op)."""
-    return f"plan{next(_PLAN_IDS)}"
+def new_plan_uid() -> int:
+    """A number for a new context-parallel plan, never reused in this process (its patterns' keys in the op)."""
+    return next(_PLAN_IDS)
 
 
-def forget_plan(uid: str) -> None:
+def forget_plan(uid: int) -> None:
     """Drop the patterns kept for plan ``uid`` (called when the plan is freed)."""
-    for key in [k for k in _REUSE if k.split("/")[0] == uid]:
+    for key in [k for k in _REUSE if k[0] == uid]:
         del _REUSE[key]
 
 
-def track_plan(plan: object, uid: str) -> None:
+def track_plan(plan: object, uid: int) -> None:
     """Forget ``uid``'s patterns when ``plan`` is garbage collected."""
     weakref.finalize(plan, forget_plan, uid)
 
@@ -119,14 +120,15 @@ def _pad(idx: torch.Tensor, width: int) -> torch.Tensor:
 
 @custom_op("mtraining::estimate_pattern", mutates_args=())
 def _estimate_op(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor | None, forward_id: torch.Tensor | None,
-                 reuse_key: str, group: str, layout: str, block_size: int, seq_len: list[int], scale: float,
-                 last_q: int, sink_tokens: int, local_window: int, top_p: float | None, pattern_heads: str,
-                 vertical_budgets: list[int], slash_budgets: list[int],
+                 reuse_key: torch.Tensor | None, group: str, layout: str, block_size: int, seq_len: list[int],
+                 scale: float, last_q: int, sink_tokens: int, local_window: int, top_p: float | None,
+                 pattern_heads: str, vertical_budgets: list[int], slash_budgets: list[int],
                  tile_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     global estimations
-    fid = int(forward_id) if forward_id is not None else None  # a CPU tensor: no device sync
+    fid = int(forward_id) if forward_id is not None else None  # CPU tensors: no device sync
+    key = tuple(reuse_key.tolist()) if reuse_key is not None else ()
     if fid is not None:
-        hit = _REUSE.get(reuse_key)
+        hit = _REUSE.get(key)
         if hit is not None and hit[0] == fid:  # a recompute of this forward: its pattern (fresh outputs)
             return hit[1].clone(), hit[2].clone()
     with outside_dispatch_mode():
@@ -141,7 +143,7 @@ def _estimate_op(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor | Non
             vertical = _pad(p.vertical_idx, sink_tokens + max(vertical_budgets))
     estimations += 1
     if fid is not None:
-        _REUSE[reuse_key] = (fid, vertical, slash)
+        _REUSE[key] = (fid, vertical, slash)
         return vertical.clone(), slash.clone()
     return vertical, slash
 
@@ -162,18 +164,19 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
                         group: dist.ProcessGroup | None = None, layout: str = "striped", block_size: int = 128,
                         seq_len: list[int] | int | None = None, scale: float | None = None,
                         layer_idx: int | None = None, doc_start: torch.Tensor | None = None,
-                        reuse: tuple[torch.Tensor, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        reuse: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~lightning_mtraining.estimation.estimate_pattern` (arguments as there) as one custom op that
     ``torch.compile`` does not break: ``(vertical_idx, slash_idx)``, padded with -1 to :func:`pattern_widths`
     (packed documents: the vertical width is the data's). Not differentiable (the estimate never is).
 
-    ``reuse=(forward_id, key)``: a CPU int64 scalar tensor and a string; a second call with the same key while
-    ``forward_id`` holds the same value returns the first call's pattern without estimating (see the module
-    docstring). Every rank of ``group`` must pass the same values."""
+    ``reuse=(forward_id, key)``: CPU int64 tensors, a scalar and ``[plan number, layer]``; a second call with the same
+    key while ``forward_id`` holds the same value returns the first call's pattern without estimating (see the module
+    docstring). Every rank of ``group`` must pass the same values. Tensors, not ints or strings: compiled graphs take
+    them as inputs, so every layer's graph is the same graph (compiled once, then found in inductor's cache)."""
     G = q.shape[1] if config.pattern_heads == "query" else k.shape[1]
     vert, slash = config.head_budgets(G, layer_idx)
     lens = [] if seq_len is None else [seq_len] * q.shape[0] if isinstance(seq_len, int) else [int(x) for x in seq_len]
-    forward_id, key = reuse if reuse is not None else (None, "")
+    forward_id, key = reuse if reuse is not None else (None, None)
     return _estimate_op(q.detach(), k.detach(), doc_start, forward_id, key, _name(group), layout, block_size, lens,
                         default_scale(q.shape[-1], scale), config.last_q, config.sink_tokens, config.local_window,
                         config.top_p, config.pattern_heads, list(vert), list(slash), config.tile_size)
