@@ -5,9 +5,10 @@ Layers, lowest first (imports only point down):
 - ``mtraining_kernels`` (folder ``kernels/``): Triton vertical-slash sparse attention kernels.
 - core: :mod:`.layouts` (token layouts), :mod:`.pattern` (the pattern and its budgets), :mod:`.estimation`
   (online pattern estimation, recall), :mod:`.balance` (exact work per rank and step), :mod:`.attention_ops`
-  (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse),
+  (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse), :mod:`.ring_trace` (its
+  optional per-step instrumentation),
   :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`, :mod:`.trace_callback`,
   :mod:`.data`, :mod:`.metrics`, :mod:`.losses`.
 
 Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
@@ -16,19 +17,22 @@ no entry point for strategies).
 """
 
 # --- core -------------------------------------------------------------------------------
-from lightning_mtraining import balance
+from lightning_mtraining import balance, ring_trace
 from lightning_mtraining.estimation import attention_recall, estimate_pattern
 from lightning_mtraining.layouts import global_positions, shard_sequence, unshard_sequence
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 from lightning_mtraining.ring import ring_attention
+from lightning_mtraining.ring_trace import RingTrace
 
 __all__ = [
     "SparsityConfig",
     "VerticalSlashPattern",
     "attention_recall",
     "balance",
+    "ring_trace",
     "estimate_pattern",
     "global_positions",
+    "RingTrace",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
@@ -47,8 +51,10 @@ from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_
 from lightning_mtraining.parallel import ContextParallel, apply_context_parallel
 from lightning_mtraining.strategy import MTrainingStrategy
 from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
+from lightning_mtraining.trace_callback import RingTraceCallback
 
 __all__ += ["MTrainingFSDPStrategy", "MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
+__all__ += ["RingTraceCallback"]
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
 __all__ += ["ContextParallel", "apply_context_parallel"]
