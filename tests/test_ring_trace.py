@@ -16,6 +16,7 @@ on ranks 0-2. Tiny shapes: the trace's arithmetic does not depend on size.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -210,3 +211,31 @@ def test_traces_do_not_nest():
         except RuntimeError as e:
             assert "do not nest" in str(e)
     assert ring_trace.active() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA event path needs a GPU")
+def test_cuda_events_are_resolved_on_read():
+    # One GPU cannot run an NCCL ring (two ranks may not share a device), so the hooks are driven directly: the
+    # spans must become CUDA events (no host clock), resolved to positive times only when read.
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=dev)
+    host_reads = []
+    saved = ring_trace._host_clock
+    ring_trace._host_clock = lambda: host_reads.append(1) or 0.0
+    try:
+        trace = RingTrace()
+        with trace:
+            with ring_trace.call("fwd", True, dev):
+                for _ in range(3):
+                    ring_trace.step()
+                    with ring_trace.compute():
+                        b = a @ a
+                    ring_trace.sent("outer", b)
+                    with ring_trace.waiting("outer"):
+                        torch.cuda._sleep(1000)  # stands for a stream stalled on a transfer
+    finally:
+        ring_trace._host_clock = saved
+    steps = trace.steps()
+    assert not host_reads and len(steps) == 3
+    assert all(s.compute_ms > 0 and s.wait_ms["outer"] > 0 and s.bytes_sent["outer"] == b.numel() * 4 for s in steps)
+    assert trace.summary()["fwd/sparse/bytes_outer"] == b.numel() * 4
