@@ -136,7 +136,8 @@ def predicted(n: int, world: int, inner: int | None, method: str) -> dict:
     per_node = inner or world
     layer = sm.attention_layer(method, sm.REFERENCE, n, world // per_node, per_node, hw, sm.measured_step_costs())
     return {"fwd_ms": layer["fwd_s"] * 1e3, "bwd_ms": layer["bwd_s"] * 1e3,
-            "fwd_exposed_comm_ms": layer["fwd_exposed_comm_s"] * 1e3, "bwd_exposed_comm_ms": layer["bwd_exposed_comm_s"] * 1e3}
+            "fwd_exposed_comm_ms": layer["fwd_exposed_comm_s"] * 1e3,
+            "bwd_exposed_comm_ms": layer["bwd_exposed_comm_s"] * 1e3}
 
 
 def main() -> None:

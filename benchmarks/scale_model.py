@@ -358,7 +358,8 @@ def attention_layer(method: str, shape: ModelShape, seq_len: int, nodes: int, pe
     out = ring_layer_time([_ms(cost, p, "fwd", d_scale) for p in steps], [_ms(cost, p, "bwd", d_scale) for p in steps],
                           ring_inner, kv, dkv, lk["inner"], lk["outer"], hw.efficiency, vertical)
     out.update(method=method, inner=ring_inner, layout=layout, density=density, kv_bytes=kv,
-               step_pairs_max=max(steps), step_fwd_ms_mean=statistics.fmean(_ms(cost, p, "fwd", d_scale) for p in steps))
+               step_pairs_max=max(steps),
+               step_fwd_ms_mean=statistics.fmean(_ms(cost, p, "fwd", d_scale) for p in steps))
     return out
 
 
@@ -425,7 +426,8 @@ def paper_check(costs: dict, rest: dict, cache: dict | None = None) -> dict:
     out["achieved_nvlink_gbs_paper"] = kv / (PAPER["intra_ms"] * 1e-3) / 1e9
     out["schedule_with_paper_steps"] = schedule_only(PAPER["compute_ms"], PAPER["inter_ms"], PAPER["intra_ms"], nodes,
                                                      per_node)
-    layers = {m: attention_layer(m, shape, n, nodes, per_node, hw, costs, cache=cache) for m in ("dense", "flat", "hier")}
+    layers = {m: attention_layer(m, shape, n, nodes, per_node, hw, costs, cache=cache)
+              for m in ("dense", "flat", "hier")}
     out["compute_ms_model"] = layers["hier"]["step_fwd_ms_mean"]
     out["fwd_ms_model"] = {m: layers[m]["fwd_s"] * 1e3 for m in layers}
     steps = {m: training_step(layers[m], shape, n, gpus, hw, rest, per_node) for m in layers}

@@ -39,8 +39,8 @@ class RingTraceCallback(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, prefix: str = "ring", sync_dist: bool = False) -> None:
-        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
-                                              or log_every_n_steps < 1):
+        n = log_every_n_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"RingTraceCallback: log_every_n_steps must be a positive int or None, got "
                              f"{log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps

@@ -73,7 +73,8 @@ def _expected_bytes(wo: int, wi: int, s: int, nv: int, sparse: bool) -> dict:
            "outer": (wo - 1) * kv + (wo * dkv if wo > 1 else 0), "collective": col}
     # number of waits: one per transfer posted (K/V and dK/dV), plus the all-reduces
     waits = {"fwd": wo * (wi - 1) + (wo - 1) + (1 if sparse else 0),
-             "bwd": wo * (wi - 1) + (wo * wi if wi > 1 else 0) + (wo - 1) + (wo if wo > 1 else 0) + (1 if sparse else 0)}
+             "bwd": (wo * (wi - 1) + (wo * wi if wi > 1 else 0) + (wo - 1) + (wo if wo > 1 else 0)
+                     + (1 if sparse else 0))}
     return {"fwd": fwd, "bwd": bwd, "waits": waits}
 
 
