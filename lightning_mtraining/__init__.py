@@ -48,9 +48,10 @@ from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_
 from lightning_mtraining.mesh import MeshAxes, build_mesh
 from lightning_mtraining.parallel import ContextParallel, apply_context_parallel, apply_fsdp
 from lightning_mtraining.strategy import MTrainingStrategy
+from lightning_mtraining.options import ContextParallelOptions
 from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
 
-__all__ += ["MTrainingFSDPStrategy", "MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
+__all__ += ["ContextParallelOptions", "MTrainingFSDPStrategy", "MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
 __all__ += ["ContextParallel", "apply_context_parallel", "apply_fsdp"]

@@ -25,12 +25,9 @@ from typing_extensions import override
 
 from lightning_mtraining.hf import find_hf_models
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
-from lightning_mtraining.strategy import (
-    ContextParallelMixin,
-    TrainerStepHooks,
-    check_context_parallel_args,
-    check_offload,
-)
+from lightning_mtraining.options import ContextParallelOptions, document_options
+from lightning_mtraining.context_parallel import ContextParallelMixin
+from lightning_mtraining.strategy import TrainerStepHooks
 
 __all__ = ["MTrainingFSDPStrategy"]
 
@@ -41,13 +38,12 @@ def _is_sharded(module: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+@document_options
 class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParallelStrategy):
     """Data parallel x context parallel with FSDP2 parameter sharding (see the module docstring).
 
     Args:
-        context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check, gather_outputs,
-            fused_loss, activation_checkpointing, offload_activations, nonfinite_check: as
-            :class:`~lightning_mtraining.strategy.MTrainingStrategy`.
+        (the ContextParallelOptions fields, rendered here by document_options)
         reshard_after_forward: FSDP2's option for the decoder layers (``True``: parameters are gathered again in
             backward, least memory; ``False``: kept gathered from forward to backward).
         save_distributed_checkpoint, process_group_backend, timeout: as Lightning's ``ModelParallelStrategy``.
@@ -73,16 +69,14 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
-        check_offload("MTrainingFSDPStrategy", offload_activations)
+        options = ContextParallelOptions.from_arguments(type(self).__name__, locals())
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing, nonfinite_check)
+        self._init_context_parallel(options)
         self.reshard_after_forward = reshard_after_forward
-        self._gather_outputs = gather_outputs
-        self.offload_activations = offload_activations
+        self._gather_outputs = options.gather_outputs
+        self.offload_activations = options.offload_activations
 
     @override
     def _configure_launcher(self) -> None:

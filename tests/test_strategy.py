@@ -262,7 +262,7 @@ def test_registered_and_typed():
     from lightning_mtraining.strategy import MTrainingStrategy
 
     assert StrategyRegistry["mtraining"]["strategy"] is MTrainingStrategy
-    with pytest.raises(ValueError, match="layout must be one of"):
+    with pytest.raises(ValueError, match=r"layout=...\) must be one of"):
         MTrainingStrategy(layout="diagonal")
     with pytest.raises(ValueError, match="context_parallel_size"):
         MTrainingStrategy(context_parallel_size=0)
