@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from test_strategy import check_against_reference
 
 VOCAB, SEQ, STEPS, LR, CKPT_STEP = 64, 40, 2, 0.2, 1
 
@@ -119,8 +120,18 @@ def _run(sizes: dict, *, sparse: bool = False, steps: int = STEPS, ckpt: str | N
             "axes": axes}
 
 
+TRAINER_SCENARIO = dict(family="qwen2", n_samples=8, seq_len=13, steps=2, fsdp=True,
+                       strategy=dict(block_size=4, context_parallel_size=2, tensor_parallel_size=2,
+                                     data_parallel_replicate_size=2, sparsity=None))
+
+
 def _eight(rank: int, world_size: int, ckpt: str) -> dict:
+    from test_strategy import elastic_env, fit
+
+    elastic_env(rank, world_size, world_size)
     return {
+        # the Trainer strategy: MTrainingFSDPStrategy at HSDP 2 x CP 2 x TP 2 (test_strategy's module and data)
+        "trainer": fit(world_size, TRAINER_SCENARIO),
         # FSDP2 over dp_shard x cp, TP 2; a checkpoint after the first step
         "dp_cp_tp": _run(dict(dp_shard=2, cp=2, tp=2), steps=CKPT_STEP + 2, ckpt=ckpt, save_at=CKPT_STEP),
         # the same checkpoint at TP 1 x CP 4, HSDP (replicated over dp_replicate 2)
@@ -158,6 +169,11 @@ def test_dp_cp_tp_meshes_match_one_device_and_checkpoints_move_across_layouts(tm
         for got, want in zip(r["resume"]["losses"], r["dp_cp_tp"]["losses"][CKPT_STEP:]):
             assert abs(got - want) < 2e-5, (r["resume"]["losses"], r["dp_cp_tp"]["losses"])
         _assert_matches(r["sparse"], sparse, "DP-replicate 2 x CP 2 x TP 2, sparse")
+    # the Trainer: test_strategy's reference protocol; a DP group there is the cp x tp ranks that share samples
+    trainer = [dict(r["trainer"], cp_size=r["trainer"]["cp_size"] * 2) for r in results]
+    check_against_reference(trainer, TRAINER_SCENARIO)
+    assert all(r["sharded"] for r in trainer)
+    assert results[0]["trainer"]["mesh"][0] == ("dp_replicate", "dp_shard", "cp", "tp")
     # the test can tell: a resume without the momentum has another second loss
     forgot = reference(2, steps=CKPT_STEP + 2, forget_at=CKPT_STEP)[0]
     assert abs(forgot[CKPT_STEP + 1][0] - dense[0][CKPT_STEP + 1][0]) > 1e-3, (forgot, dense[0])
@@ -210,3 +226,33 @@ def test_local_sparsity_takes_the_ranks_heads():
     assert local_sparsity(cfg, 0, 1) is cfg and local_sparsity(None, 0, 2) is None
     with pytest.raises(ValueError, match="4 per-head budgets, not divisible by the tensor parallel size 3"):
         local_sparsity(cfg, 0, 3)
+
+
+def test_fsdp_strategy_sizes():
+    """MTrainingFSDPStrategy's mesh sizes and ranks, before any process group: rank = ((r S + s) C + c) T + t."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_mtraining import MTrainingFSDPStrategy
+
+    def strategy(world: int, rank: int, **kwargs):
+        s = MTrainingFSDPStrategy(**kwargs)
+        s.cluster_environment, s.parallel_devices = LightningEnvironment(), [torch.device("cpu")] * world
+        s.cluster_environment.set_world_size(world)
+        s.cluster_environment.set_global_rank(rank)
+        return s
+
+    s = strategy(16, 13, tensor_parallel_size=2, data_parallel_replicate_size=2)  # cp "auto": 16 / (2 x 2) = 4
+    assert (s.cp_size, s.dp_size, s.cp_rank, s.dp_rank) == (4, 2, 2, 1)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1} and s.inner_ring_size == 4
+    s = strategy(8, 5, tensor_parallel_size=2, context_parallel_size=2)  # dp_shard 2
+    assert (s.cp_size, s.dp_size, s.cp_rank, s.dp_rank) == (2, 2, 0, 1)
+    with pytest.raises(ValueError, match=r"dp_replicate 1 x dp_shard 1 x cp 3 x tp 2 = 6 ranks, but the world has 8|"
+                                         r"not divisible by dp_replicate 1 x cp 3 x tp 2"):
+        strategy(8, 0, tensor_parallel_size=2, context_parallel_size=3).cp_size
+    with pytest.raises(ValueError, match="world of 6 ranks is not divisible by data_parallel_replicate_size 1 x "
+                                         "tensor_parallel_size 4"):
+        strategy(6, 0, tensor_parallel_size=4).cp_size
+    with pytest.raises(ValueError, match="hierarchical rings are not built"):
+        strategy(8, 0, tensor_parallel_size=2, inner_ring_size=2).inner_ring_size
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=\.\.\.\) must be a positive int, got 0"):
+        MTrainingFSDPStrategy(tensor_parallel_size=0)
