@@ -36,7 +36,7 @@ from lightning_mtraining.options import ContextParallelOptions, document_options
 from lightning_mtraining.parallel import apply_fsdp
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategy import TrainerStepHooks
-from lightning_mtraining.tensor_parallel import apply_tensor_parallel, local_sparsity
+from lightning_mtraining.tensor_parallel import apply_tensor_parallel, clip_grad_norm_, local_sparsity
 
 __all__ = ["MTrainingFSDPStrategy"]
 
@@ -224,8 +224,14 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
             trainer.callbacks.append(callback)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if tp > 1 and not _has_dtensors(self.model):
-            apply_tensor_parallel(self.model, self.device_mesh["tp"])
+        if tp > 1:
+            if not _has_dtensors(self.model):
+                apply_tensor_parallel(self.model, self.device_mesh["tp"])
+            # Trainer(gradient_clip_val=...): gradients on two meshes, which torch's clip_grad_norm_ refuses
+            # (Note [Tensor parallel attention])
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
+                plugin.main_params(optimizer), clip_val)
         if not _is_sharded(self.model):
             self._shard_parameters(self.model)
         self.barrier()

@@ -29,6 +29,12 @@ The plan comes from the model's config (``base_model_tp_plan``, transformers' ow
 ``"rowwise"`` entries are these torch styles); a model whose plan holds any other style for a decoder layer (for
 example Qwen3's per-head ``q_norm``, ``"replicated_with_grad_allreduce"``, whose gradient would need a sum over
 ``tp`` before FSDP's reduction) is refused with the style named.
+
+After FSDP2 the split parameters are DTensors on the ``(dp_shard_cp, tp)`` mesh and the replicated ones on
+``dp_shard_cp`` alone; ``torch.nn.utils.clip_grad_norm_`` stacks their norms and DTensor refuses operands on
+different meshes ("All operands in aten.stack.default must have the same mesh", torch 2.13). torchtitan avoids it by
+making every parameter a DTensor on the tp mesh (norms ``SequenceParallel``); here :func:`clip_grad_norm_` takes the
+norm per mesh and combines the totals.
 """
 
 from __future__ import annotations
@@ -37,13 +43,14 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mtraining.hf import find_hf_models
 from lightning_mtraining.mesh import check_mesh_fits_model
 
-__all__ = ["TP_STYLES", "apply_tensor_parallel", "layer_tp_plan", "local_sparsity"]
+__all__ = ["TP_STYLES", "apply_tensor_parallel", "clip_grad_norm_", "layer_tp_plan", "local_sparsity"]
 
 # transformers' plan style names that are exactly torch's default ColwiseParallel / RowwiseParallel (replicated
 # input, Shard(-1) local output; Shard(-1) input, replicated output)
@@ -138,3 +145,28 @@ def local_sparsity(config: Any, tp_rank: int, tp_size: int) -> Any:
     if config.budgets is not None:
         changes["budgets"] = {layer: cut(pairs, f"budgets[{layer}]") for layer, pairs in config.budgets}
     return dataclasses.replace(config, **changes)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters whose gradients are DTensors on different meshes (see the
+    module docstring): the total norm of every gradient (each mesh's part reduced over its ranks), and every
+    gradient scaled by ``max_norm / (total + 1e-6)`` when that is below 1. Returns the total norm (a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # the shards, scaled in place
+    torch._foreach_mul_(local, coef.to(local[0].device))
+    return total
