@@ -280,6 +280,14 @@ def apply_context_parallel(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"apply_context_parallel: block_size must be a positive int, got {block_size!r}")
     if mesh is None:
+        if sparsity is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # group=None means the default group to the ring and the estimator: they would treat this process's
+            # sequence as one shard of a world-sized ring
+            raise ValueError(
+                f"apply_context_parallel: mesh=None means one process, but torch.distributed is initialised with "
+                f"{dist.get_world_size()} ranks and sparse attention needs its CP group; pass a mesh with a 'cp' "
+                "axis (build_mesh(..., cp=1) for no context parallelism)"
+            )
         plan = ContextParallelPlan(0, 1, layout, block_size)
     else:
         if mesh.mesh_dim_names is None or cp_dim not in mesh.mesh_dim_names:
@@ -289,7 +297,7 @@ def apply_context_parallel(
             )
         cp_mesh = mesh[cp_dim]
         plan = ContextParallelPlan(cp_rank=cp_mesh.get_local_rank(), cp_size=cp_mesh.size(), layout=layout,
-                                   block_size=block_size, group=cp_mesh.get_group() if cp_mesh.size() > 1 else None)
+                                   block_size=block_size, group=cp_mesh.get_group())  # size 1 too: not WORLD
     layer_sparsity = sparsity if callable(sparsity) else (lambda layer_idx: sparsity)
     check_sparsity_args("apply_context_parallel", [sparsity] if not callable(sparsity) else [], layout, block_size)
     if mesh is not None and tp_dim in (mesh.mesh_dim_names or ()) and mesh[tp_dim].size() > 1:
