@@ -274,8 +274,8 @@ _SCORER = "auto"  # "auto": Triton on CUDA where it applies; "torch"; "triton" (
 def _runs_block(n_total: int, cp_rank: int, cp_size: int, layout: str, block_size: int, n: int) -> int:
     """A key block of consecutive global positions with ``n <= block + 1``, or 0: 64 first (at 128K on an H100
     the vertical and slash sums take 0.47 ms with 64-key blocks against 2.04 ms with 128, as the diagonal gather
-    grows with the square of the block; benchmarks/RESULTS.md "Pattern estimation time"), then 128 (for up to
-    129 probe rows), 32 and 16."""
+    grows with the square of the block; benchmarks/journal/results-estimation.md, "Where the time goes"), then 128
+    (for up to 129 probe rows), 32 and 16."""
     pos = torch.arange(n_total) if cp_size == 1 else global_positions(n_total, cp_rank, cp_size, layout, block_size)
     from mtraining_kernels.probe_scores import blocks_are_runs
 
