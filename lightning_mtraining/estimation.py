@@ -5,6 +5,10 @@ Shape legend: B batch, H query heads, Hkv key/value heads, G pattern heads (H or
 sequence length, N = S * W the padded global length, W = cp_size, n probe rows (``last_q``), D head dim,
 P key pieces of R consecutive positions.
 
+Why one file of ~660 lines: the recall (``attention_recall``) scores its sampled rows with the estimator's own probe
+machinery (``_Probe``, ``_resolve``, ``_scores``), and the selection's collectives and the scorer are one algorithm
+(Note [Distributed estimation]); split apart, each half would import the other's private helpers.
+
 The contract (``estimate_pattern``), per batch row and pattern head:
 
 - probe rows are the last ``last_q`` positions of the row's *real* sequence (``seq_len``; padding added for
