@@ -7,7 +7,7 @@ Layers, lowest first (imports only point down):
   (online pattern estimation, recall), :mod:`.balance` (exact work per rank and step), :mod:`.attention_ops`
   (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse),
   :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.prefill` (sparse prefill for ``generate``), :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
   :mod:`.data`, :mod:`.metrics`, :mod:`.losses`.
 
 Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
@@ -53,6 +53,10 @@ __all__ += ["ContextParallelOptions", "MTrainingFSDPStrategy", "MTrainingFabricS
 # Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
 __all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
 __all__ += ["ContextParallel", "apply_context_parallel"]
+# Serving: the sparse prefill for Hugging Face generate (one device).
+from lightning_mtraining.prefill import register_sparse_prefill
+
+__all__ += ["register_sparse_prefill"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.
