@@ -7,7 +7,8 @@ Layers, lowest first (imports only point down):
   (online pattern estimation, recall), :mod:`.balance` (exact work per rank and step), :mod:`.attention_ops`
   (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse),
   :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.prefill` (sparse prefill for ``generate``), :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.prefill` (sparse prefill for ``generate``), :mod:`.schedule`,
+  :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
   :mod:`.data`, :mod:`.metrics`, :mod:`.losses`.
 
 Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
