@@ -160,7 +160,7 @@ def make_task(
     Args:
         kind: ``"passkey"``, ``"multikey"`` or ``"vartrack"``.
         haystack: ``"text"`` or ``"code"``.
-        length: prompt tokens (exact); must leave room for the needles and question plus 4 * :data:`MAX_PIECE`.
+        length: prompt tokens (exact); must leave room for the needles and question plus 2 * :data:`MAX_PIECE`.
         depth: where the (queried) needle starts, as a share of the haystack, in [0, 1].
         seed: the random draw (needles, keys, values, the haystack's starting line, distractor depths).
         encode: text -> token ids; default byte level.
@@ -179,9 +179,9 @@ def make_task(
     question_ids = list(encode(f"\n{comment}{question}" if comment else f"\n{question}"))
     answer_ids = list(encode(answer))
     budget = length - len(question_ids) - sum(map(len, needle_ids))
-    if budget < 4 * MAX_PIECE:
+    if budget < 2 * MAX_PIECE:
         raise ValueError(f"length={length} is too short for a {kind} task (needles and question take "
-                         f"{length - budget} tokens; need at least {4 * MAX_PIECE} haystack tokens)")
+                         f"{length - budget} tokens; need at least {2 * MAX_PIECE} haystack tokens)")
     # haystack pieces from a random starting line, wrapping around
     lines = haystack_lines(haystack)
     start = rng.randrange(len(lines))

@@ -51,7 +51,7 @@ def test_reproducible_by_seed_and_custom_encode():
     tasks = make_tasks([2048, 3000], [0.0, 0.5], kinds=["passkey"], haystacks=["text"], samples=2)
     assert len(tasks) == 8 and len({tuple(t.input_ids[:64].tolist()) for t in tasks}) == 8
     with pytest.raises(ValueError, match="too short"):
-        make_task("passkey", "text", 600, 0.5, seed=0)
+        make_task("passkey", "text", 500, 0.5, seed=0)
     with pytest.raises(ValueError, match="depth"):
         make_task("passkey", "text", 4000, 1.5, seed=0)
 
