@@ -119,3 +119,24 @@ def test_unsupported_inputs_raise():
         register_sparse_prefill(_full(), "sdpa")
     with pytest.raises(TypeError, match="SparsityConfig"):
         register_sparse_prefill({"top_p": 0.9})  # type: ignore[arg-type]
+
+
+def test_prefill_benchmark_smoke(tmp_path):
+    """``benchmarks/prefill.py --smoke``: both configs timed against SDPA, with density and recall in range."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("prefill_bench", bench_dir / "prefill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec.loader.exec_module(module)
+        _, rows = module.main(["--smoke", "--out", str(tmp_path / "prefill.json")])
+    finally:
+        sys.path.remove(str(bench_dir))
+    assert [r["N"] for r in rows] == [512, 512] and (tmp_path / "prefill.json").exists()
+    for r in rows:
+        assert r["sdpa_ms"] > 0 and r["sparse_ms"] > 0 and 0 < r["density"] <= 1 and 0.5 < r["recall"] <= 1.0
+    assert rows[1]["config"].startswith("top-k") and rows[1]["density"] < 0.9  # 2 slashes of 32-token tiles, 16 columns
