@@ -210,7 +210,7 @@ def heldout_loss(model, cp, held_windows, device) -> float:
     return total / len(held_windows)
 
 
-def run_variant(args, variant: str, device) -> dict:
+def run_variant(args, variant: str, device, save=None) -> dict:
     from lightning_mtraining import apply_context_parallel, register_sparse_prefill, SparsityConfig
     from lightning_mtraining.long_tasks import make_tasks, score_tasks, summarize
 
@@ -268,6 +268,9 @@ def run_variant(args, variant: str, device) -> dict:
             print(f"[{variant}] step {step:5d} loss {curve[-1]:.4f} held-out {h:.4f}"
                   + (f" density {dens:.3f} recall {metrics.get('attention/recall', float('nan')):.3f}" if dens else "")
                   + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
+            if save is not None:  # a run stopped by a time limit still leaves its curves
+                save({"variant": variant, "complete": False, "train_loss": curve, "evals": evals,
+                      "attention": layer_stats})
     train_s = time.perf_counter() - t_start
     cp.restore()  # plain HF model again: evaluate it dense, and served sparse
     final = {"heldout_loss_dense_attention": heldout_loss(model, None, held, device)}
@@ -290,7 +293,7 @@ def run_variant(args, variant: str, device) -> dict:
         print(f"[{variant}] tasks served {label}: exact {task_results[label]['accuracy']:.3f} "
               f"token {task_results[label]['token_accuracy']:.3f} by length {task_results[label]['by_length']}")
     model.set_attn_implementation("sdpa")
-    return {"variant": variant, "sparsity": None if sparsity is None else repr(sparsity), "params": n_params,
+    return {"variant": variant, "complete": True, "sparsity": None if sparsity is None else repr(sparsity), "params": n_params,
             "train_loss": curve, "evals": evals, "attention": layer_stats, "final": final, "tasks": task_results,
             "train_s": train_s}
 
@@ -316,7 +319,12 @@ def report(out_dir: str) -> dict:
         path = os.path.join(out_dir, f"accuracy_{v}.json")
         if os.path.exists(path):
             with open(path) as f:
-                runs[v] = json.load(f)
+                run = json.load(f)
+            if not run.get("complete"):
+                print(f"{path}: incomplete (stopped after step {run['evals'][-1]['step'] if run['evals'] else 0}); "
+                      "left out of the report")
+                continue
+            runs[v] = run
     if not runs:
         raise SystemExit(f"no accuracy_<variant>.json in {out_dir}; run the variants first")
     table = []
@@ -414,10 +422,15 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--variant must be one of {VARIANTS} or 'all', got {v!r}")
     out = {}
     for v in variants:
-        result = {"info": environment(args, device), **run_variant(args, v, device)}
         path = os.path.join(args.out_dir, f"accuracy_{v}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        info = environment(args, device)
+
+        def save(record: dict) -> None:
+            with open(path, "w") as f:
+                json.dump({"info": info, **record}, f, indent=1)
+
+        result = {"info": info, **run_variant(args, v, device, save)}
+        save(result)
         print(f"wrote {path}")
         out[v] = result
     return out

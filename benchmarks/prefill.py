@@ -83,7 +83,7 @@ def run(args) -> tuple[dict, list[dict]]:
                 r = rows[-1]
                 print(f"{n:>7} {name:<24} sparse {sparse_ms:9.2f} ms (estimate {est_ms:7.2f})  x{r['speedup']:.2f}  "
                       f"density {r['density']:.3f}  recall {r['recall']:.3f}", flush=True)
-        del q, k, v
+        q = k = v = None  # free before the next length
         if device.type == "cuda":
             torch.cuda.empty_cache()
     import transformers

@@ -73,6 +73,26 @@ def _dense(module: nn.Module, query, key, value, attention_mask, scaling, dropou
                                   **kwargs)
 
 
+def _single_rank_group(group: Any, name: str) -> Any:
+    """The estimator's group: one rank. ``estimate_pattern(group=None)`` means the default group once
+    torch.distributed is initialised, which would treat every process's prompt as a shard of one sequence."""
+    import torch.distributed as dist
+
+    if group is not None:
+        if dist.get_world_size(group) != 1:
+            raise ValueError(f"{name}: the sparse prefill runs on one device; the group given to "
+                             f"register_sparse_prefill has {dist.get_world_size(group)} ranks, it needs 1")
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{name}: torch.distributed is initialised with {dist.get_world_size()} processes, and the sparse prefill "
+            "estimates each prompt on its own device: create one-rank groups on every process "
+            "(`group, _ = torch.distributed.new_subgroups(group_size=1)`) and pass "
+            "register_sparse_prefill(..., group=group)"
+        )
+    return None
+
+
 def sparse_prefill_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -84,13 +104,14 @@ def sparse_prefill_attention(
     *,
     sparsity: SparsityConfig,
     on_pattern: PatternHook | None = None,
+    group: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: query ``[B, H, L, D]``, key/value ``[B, Hkv, K, D]`` (the cache after this
     forward's update) -> ``([B, L, H, D], None)``.
 
     Sparse for a causal prefill from position 0 (see the module docstring's table), dense SDPA otherwise.
-    ``sparsity`` is bound by :func:`register_sparse_prefill`.
+    ``sparsity``, ``on_pattern`` and ``group`` are bound by :func:`register_sparse_prefill`.
     """
     name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     q_len, k_len = query.shape[2], key.shape[2]
@@ -124,8 +145,8 @@ def sparse_prefill_attention(
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     layer_idx = getattr(module, "layer_idx", None)
-    pattern = estimate_pattern(query, key, sparsity, group=None, layout="contiguous", block_size=sparsity.tile_size,
-                               scale=scaling, layer_idx=layer_idx)
+    pattern = estimate_pattern(query, key, sparsity, group=_single_rank_group(group, name), layout="contiguous",
+                               block_size=sparsity.tile_size, scale=scaling, layer_idx=layer_idx)
     if on_pattern is not None:
         on_pattern(layer_idx, pattern, q_len)
     out = sparse_attention(query, key, value, pattern.vertical_idx, pattern.slash_idx, scale=scaling,
@@ -138,6 +159,7 @@ def register_sparse_prefill(
     name: str = DEFAULT_PREFILL_NAME,
     *,
     on_pattern: PatternHook | None = None,
+    group: Any = None,
 ) -> str:
     """Register the sparse prefill under ``name`` with ``transformers`` and return ``name``.
 
@@ -151,6 +173,9 @@ def register_sparse_prefill(
             flash-attention kernels to fetch from the hub) and must not be a built-in name.
         on_pattern: called with ``(layer_idx, pattern, prompt_length)`` after each layer's estimate at prefill
             (statistics: density, recall); ``None`` for none.
+        group: only where torch.distributed is initialised with several processes (each serving its own
+            prompts): a process group holding just this rank, e.g. ``torch.distributed.new_subgroups(group_size=1)[0]``
+            (collective: every process calls it once); otherwise leave it None.
 
     Returns:
         ``name``.
@@ -171,7 +196,7 @@ def register_sparse_prefill(
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         return sparse_prefill_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                        sparsity=config, on_pattern=on_pattern, **kwargs)
+                                        sparsity=config, on_pattern=on_pattern, group=group, **kwargs)
 
     attention.__name__ = f"sparse_prefill_attention[{name}]"
     AttentionInterface.register(name, attention)
