@@ -23,7 +23,7 @@ def test_full_pattern_matches_sdpa_bf16(prompt: int):
     config = Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
     torch.manual_seed(0)
-    ref_model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.float64).eval()
+    ref_model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
     x = torch.randint(0, 264, (1, prompt), generator=torch.Generator().manual_seed(1))
     seen = []
     name = lmt.register_sparse_prefill(lmt.SparsityConfig(vertical_topk=8192, slash_topk=8192), "test_prefill_gpu",
