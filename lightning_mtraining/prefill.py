@@ -138,7 +138,7 @@ def sparse_prefill_attention(
         return _dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if dropout:
         raise ValueError(f"{name}: attention dropout ({dropout}) is not supported by the sparse prefill; call "
-                         "model.eval() before generating (generate does), or set the config's attention dropout to 0")
+                         "model.eval() before generating (from_pretrained returns the model in eval mode)")
     # no mask and L > 1: a causal prefill from position 0; a static cache holds the prompt in its first L slots
     key, value = key[:, :, :q_len], value[:, :, :q_len]
     device_type = query.device.type
