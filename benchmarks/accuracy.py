@@ -293,7 +293,8 @@ def run_variant(args, variant: str, device, save=None) -> dict:
         print(f"[{variant}] tasks served {label}: exact {task_results[label]['accuracy']:.3f} "
               f"token {task_results[label]['token_accuracy']:.3f} by length {task_results[label]['by_length']}")
     model.set_attn_implementation("sdpa")
-    return {"variant": variant, "complete": True, "sparsity": None if sparsity is None else repr(sparsity), "params": n_params,
+    return {"variant": variant, "complete": True, "sparsity": None if sparsity is None else repr(sparsity),
+            "params": n_params,
             "train_loss": curve, "evals": evals, "attention": layer_stats, "final": final, "tasks": task_results,
             "train_s": train_s}
 
@@ -378,17 +379,26 @@ def plot(runs: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "accuracy_loss.png"), dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, xlabel in zip(axes, ("by_length", "by_depth"), ("prompt length (tokens)", "needle depth")):
-        for v, r in runs.items():
-            for label, style in (("dense", "-"), ("sparse_prefill", "--")):
-                acc = r["tasks"][label][key]
-                xs = sorted(acc, key=float)
-                ax.plot([float(x) for x in xs], [acc[x] for x in xs], style, marker="o", label=f"{v}, served {label}")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("exact-match accuracy")
-        ax.set_ylim(-0.05, 1.05)
-    axes[0].legend(fontsize=8)
+    def grouped(results: list[dict], field: str, metric: str) -> tuple[list[float], list[float]]:
+        groups: dict[float, list[float]] = {}
+        for r in results:
+            groups.setdefault(float(r[field]), []).append(float(r[metric]))
+        xs = sorted(groups)
+        return xs, [sum(groups[x]) / len(groups[x]) for x in xs]
+
+    # exact match (the tasks' score) and the answers' token accuracy (informative where exact match is ~0)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), squeeze=False)
+    metrics = (("correct", "exact-match accuracy"), ("token_accuracy", "answer token accuracy"))
+    for row, (metric, ylabel) in enumerate(metrics):
+        for ax, field, xlabel in zip(axes[row], ("length", "depth"), ("prompt length (tokens)", "needle depth")):
+            for v, r in runs.items():
+                for label, style in (("dense", "-"), ("sparse_prefill", "--")):
+                    ax.plot(*grouped(r["tasks"][label]["results"], field, metric), style, marker="o",
+                            label=f"{v}, served {label}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(-0.05, 1.05)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "accuracy_tasks.png"), dpi=120)
     plt.close(fig)
@@ -398,12 +408,14 @@ def plot(runs: dict, out_dir: str) -> None:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, what in zip(axes, ("recall", "density")):
             for v, r in sparse.items():
-                for m in (r["attention"][0], r["attention"][len(r["attention"]) // 2], r["attention"][-1]):
+                picks = sorted({0, len(r["attention"]) // 2, len(r["attention"]) - 1})  # first, middle, last
+                for m in (r["attention"][i] for i in picks):
                     layers = sorted(int(k.rsplit("_", 1)[1]) for k in m if k.startswith(f"attention/{what}/layer_"))
                     ax.plot(layers, [m[f"attention/{what}/layer_{i}"] for i in layers], marker="o",
                             label=f"{v}, step {m['step']}")
             ax.set_xlabel("layer")
             ax.set_ylabel(what)
+            ax.xaxis.get_major_locator().set_params(integer=True)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "accuracy_recall.png"), dpi=120)
