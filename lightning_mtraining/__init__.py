@@ -8,7 +8,8 @@ Layers, lowest first (imports only point down):
   (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse), :mod:`.mesh`
   (the named dp x cp x tp device mesh),
   :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.schedule`, :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
+- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.prefill` (sparse prefill for ``generate``), :mod:`.schedule`,
+  :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`,
   :mod:`.data`, :mod:`.metrics`, :mod:`.losses`, :mod:`.parallel`, :mod:`.tensor_parallel`.
 
 Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
@@ -59,6 +60,10 @@ __all__ += ["ContextParallel", "apply_context_parallel", "apply_fsdp"]
 from lightning_mtraining.tensor_parallel import apply_tensor_parallel
 
 __all__ += ["MeshAxes", "apply_tensor_parallel", "build_mesh"]
+# Serving: the sparse prefill for Hugging Face generate (one device).
+from lightning_mtraining.prefill import register_sparse_prefill
+
+__all__ += ["register_sparse_prefill"]
 
 # Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
 # litdata is absent from the GPU image, and `import lightning_mtraining` must work there.

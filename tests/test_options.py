@@ -12,7 +12,8 @@ from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.strategy import MTrainingStrategy
 from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
 
-STRATEGIES = {MTrainingStrategy: FSDP_ONLY, MTrainingFSDPStrategy: (), MTrainingFabricStrategy: TRAINER_ONLY + FSDP_ONLY}
+STRATEGIES = {MTrainingStrategy: FSDP_ONLY, MTrainingFSDPStrategy: (),
+              MTrainingFabricStrategy: TRAINER_ONLY + FSDP_ONLY}
 FIELDS = {f.name: f for f in dataclasses.fields(ContextParallelOptions) if f.name != "owner"}
 
 
