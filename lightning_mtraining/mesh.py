@@ -23,7 +23,7 @@ Four named axes, outermost first, as torchtitan orders them::
   over it; with ``dp_replicate > 1`` the shards are replicated over ``dp_replicate`` (HSDP). The gradient
   reduction averages over every dp x cp rank, which with the loss scaling of Note [Exact losses and gradients] in
   :mod:`lightning_mtraining.hf` is the exact gradient.
-- ``dp_replicate`` x ``dp_shard`` (flattened as ``"dp"``): which sample a rank reads.
+- ``dp_replicate`` x ``dp_shard`` (:attr:`MeshAxes.dp`, :attr:`MeshAxes.dp_rank`): which sample a rank reads.
 """
 
 from __future__ import annotations
@@ -88,15 +88,12 @@ def build_mesh(
     tp: int = 1,
 ) -> DeviceMesh:
     """The ``("dp_replicate", "dp_shard", "cp", "tp")`` mesh over the initialised default process group
-    (collective: every rank calls it), with the flattened ``"dp"`` and ``"dp_shard_cp"`` axes created (Note
-    [The mesh axes]). ``dp_shard=None``: the world size divided by the other sizes."""
+    (collective: every rank calls it; Note [The mesh axes]). ``dp_shard=None``: the world size divided by the
+    other sizes. :func:`fsdp_mesh` gives FSDP2's part of it."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("build_mesh needs an initialised process group (torch.distributed.init_process_group)")
     sizes = resolve_mesh_sizes(dist.get_world_size(), dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIM_NAMES)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh
+    return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIM_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +131,20 @@ class MeshAxes:
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2's ``fully_shard`` takes: ``dp_shard x cp`` flattened (1D), or with ``dp_replicate > 1``
-    the 2D ``("dp_replicate", "dp_shard_cp")`` mesh (HSDP). A ``("dp", "cp")`` mesh flattens to ``"dp_cp"``."""
+    """The mesh FSDP2's ``fully_shard`` takes: ``dp_shard x cp`` flattened as ``"dp_shard_cp"`` (1D), or with
+    ``dp_replicate > 1`` the 2D ``("dp_replicate", "dp_shard_cp")`` mesh (HSDP). A ``("dp", "cp")`` mesh flattens
+    to ``"dp_cp"``. Flattening again returns the same mesh."""
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names:
         return mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
-    try:
-        mesh["dp_shard_cp"]
-    except (KeyError, RuntimeError, ValueError):
-        raise ValueError(
-            f"fsdp_mesh: the mesh {names} has no flattened 'dp_shard_cp' axis; build it with "
-            "lightning_mtraining.build_mesh"
-        ) from None
-    if mesh.size(names.index("dp_replicate")) > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
+    missing = [n for n in MESH_DIM_NAMES if n not in names]
+    if missing:
+        raise ValueError(f"fsdp_mesh: the mesh {names} lacks {missing}; build it with lightning_mtraining.build_mesh")
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if mesh.size(names.index("dp_replicate")) == 1:
+        return flat
+    # slicing a flattened axis from the root mesh: torch 2.13 warns that it "will be deprecated", and it works there
+    return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def _config_int(config: Any, *names: str) -> int | None:
