@@ -1,6 +1,7 @@
 """Load imbalance of vertical-slash sparse ring attention: exact work per CP rank and ring step (CPU, no GPU).
 
-    python benchmarks/imbalance.py --out benchmarks/imbalance_synthetic.json --plot benchmarks/imbalance_synthetic.png
+    python benchmarks/imbalance.py --inner 0 8 --out benchmarks/data/imbalance_synthetic_128k_1m_2026-12-05.json \\
+        --plot benchmarks/data/imbalance_synthetic_128k_1m_2026-12-05.png
     python benchmarks/imbalance.py --patterns layers.pt --seq 524288 --out imbalance_estimated.json
 
 For every sequence length N, CP size W, layout (contiguous, zigzag, striped with 128-token blocks) and vertical

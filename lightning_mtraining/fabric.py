@@ -1,7 +1,7 @@
 """``MTrainingFabricStrategy``: data parallel x context parallel for Lightning Fabric.
 
 The same arguments and behaviour as :class:`~lightning_mtraining.strategy.MTrainingStrategy` (the shared
-logic lives in :class:`~lightning_mtraining.strategy.ContextParallelMixin`). Fabric never calls
+logic lives in :class:`~lightning_mtraining.context_parallel.ContextParallelMixin`). Fabric never calls
 ``batch_to_device``, so sharding happens in the dataloader: ``fabric.setup_dataloaders(loader)`` returns a
 loader whose batches are already on the device and sharded for this rank (and the DistributedSampler Fabric
 injects uses the data-parallel rank/size). Batches from elsewhere: ``fabric.strategy.shard_batch(batch)``.
@@ -34,13 +34,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mtraining.callback import SparseAttentionCallback
+from lightning_mtraining.options import FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.strategy import (
-    ContextParallelMixin,
-    check_context_parallel_args,
-    check_sparsity_args,
-    register_names,
-)
+from lightning_mtraining.context_parallel import ContextParallelMixin
+from lightning_mtraining.parallel import check_sparsity_args
+from lightning_mtraining.strategy import register_names
 
 __all__ = ["MTrainingFabricStrategy"]
 
@@ -65,34 +63,21 @@ class _ShardingDataLoader:
             yield self._strategy.shard_batch(move_data_to_device(batch, self._strategy.root_device))
 
 
+@document_options(exclude=TRAINER_ONLY + FSDP_ONLY)
 class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
 
+    ``Fabric(strategy="mtraining")`` uses the paper's setting (top-p 0.9, caps 4096), ``"mtraining_dense"`` dense;
+    the numbers: :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
+
     Args:
-        context_parallel_size: ranks that share one sequence; ``"auto"`` = all ranks; must divide the world.
-        inner_ring_size: ranks of one inner ring of hierarchical ring attention; ``None`` = one node's ranks
-            when the CP group spans several nodes (flat ring otherwise).
-        layout: token layout of the shards.
-        block_size: block of the striped layout (sequences are padded to ``cp_size x block_size``).
-        sparsity: vertical-slash budgets for sparse ring attention (estimated online per layer and forward), or
-            ``None`` for dense (exact) ring attention. ``Fabric(strategy="mtraining")`` uses the paper's setting
-            (top-p 0.9, caps 4096), ``"mtraining_dense"`` dense. The numbers: :meth:`attention_metrics`.
+        (the ContextParallelOptions fields, rendered here by document_options)
         attention: per-layer options and measuring cadence (a ``SparseAttentionCallback``; Fabric has no callbacks
             the strategy can see, so pass it here). Fabric has no global step: the strategy counts optimizer steps
             for the dense warm-up and the measurements.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: process-group timeout.
         start_method: how Fabric starts processes (as in Fabric's ``DDPStrategy``).
-        loss_check: ``"raise"`` (default), ``"warn"`` or ``"off"``: what ``fabric.backward`` does with a loss
-            that did not come through a sharding-aware path while the sequence is split (see
-            :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
-        fused_loss: compute a model's loss without its full logits when it is called with labels (see
-            :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
-        nonfinite_check: ``"raise"`` (default), ``"warn"`` or ``"off"``: what ``fabric.backward`` does with a NaN
-            or infinite loss (see :class:`~lightning_mtraining.strategy.MTrainingStrategy`).
-        activation_checkpointing: recompute each decoder layer in backward (Hugging Face
-            ``gradient_checkpointing_enable``, non-reentrant). To offload the saved layer inputs to host memory, run
-            the forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
     """
 
@@ -120,7 +105,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         **kwargs: Any,
     ) -> None:
-        check_context_parallel_args(context_parallel_size, inner_ring_size, layout, block_size, loss_check)
+        options = ContextParallelOptions.from_arguments(type(self).__name__, locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -132,8 +117,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_context_parallel(context_parallel_size, inner_ring_size, layout, block_size, sparsity, loss_check,
-                                    fused_loss, activation_checkpointing, nonfinite_check)
+        self._init_context_parallel(options)
         self.attention = attention
         check_sparsity_args(f"{type(self).__name__}(attention=...)", self._layer_sparsity_configs(attention), layout,
                             block_size)

@@ -82,7 +82,7 @@ def test_registered():
     from lightning_mtraining.fabric import MTrainingFabricStrategy
 
     assert STRATEGY_REGISTRY["mtraining"]["strategy"] is MTrainingFabricStrategy
-    with pytest.raises(ValueError, match="block_size must be a positive int"):
+    with pytest.raises(ValueError, match=r"MTrainingFabricStrategy\(block_size=...\) must be a positive int"):
         MTrainingFabricStrategy(block_size=0)
 
 
