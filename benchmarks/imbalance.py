@@ -1,6 +1,7 @@
 """Load imbalance of vertical-slash sparse ring attention: exact work per CP rank and ring step (CPU, no GPU).
 
-    python benchmarks/imbalance.py --out benchmarks/imbalance_synthetic.json --plot benchmarks/imbalance_synthetic.png
+    python benchmarks/imbalance.py --inner 0 8 --out benchmarks/data/imbalance_synthetic_128k_1m_2026-12-05.json \\
+        --plot benchmarks/data/imbalance_synthetic_128k_1m_2026-12-05.png
     python benchmarks/imbalance.py --patterns layers.pt --seq 524288 --out imbalance_estimated.json
 
 For every sequence length N, CP size W, layout (contiguous, zigzag, striped with 128-token blocks) and vertical
@@ -62,11 +63,12 @@ SINKS, WINDOW, TILE = 30, 100, 128
 MODES = ("arrival", "gathered")
 
 
-def synthetic_pattern(seq_len: int, far_share: float, seed: int = 0) -> VerticalSlashPattern:
-    """The synthetic Qwen2.5-3B pattern of the module docstring, [1, 576, n]."""
+def synthetic_pattern(seq_len: int, far_share: float, seed: int = 0, heads: int | None = None) -> VerticalSlashPattern:
+    """The synthetic Qwen2.5-3B pattern of the module docstring, [1, 576, n]; ``heads``: only its first rows (the
+    same rows as the whole draw's first ``heads``, drawn without the others)."""
     g = torch.Generator().manual_seed(seed)
-    heads = [(v, s) for v, s, count in BUDGETS for _ in range(count)]
-    heads = [heads[i] for i in torch.randperm(len(heads), generator=g).tolist()]
+    budgets = [(v, s) for v, s, count in BUDGETS for _ in range(count)]
+    heads = [budgets[i] for i in torch.randperm(len(budgets), generator=g).tolist()][:heads]
     n_vert = SINKS + max(v for v, _ in heads)
     n_slash = WINDOW + max(s for _, s in heads)
     vertical = torch.full((len(heads), n_vert), -1, dtype=torch.int64)

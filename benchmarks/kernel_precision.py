@@ -1,11 +1,14 @@
 """Precision report: the vertical-slash kernels' error against a float32 reference, next to torch's own error.
 
-For each case of ``test_fp16_matches_fp32_reference`` (``tests/test_kernels_gpu.py``: Gluon at 128 x 128 with
-head dim 128 and 64, Triton at 64 x 64, the all-snake order at 32767), in bfloat16 and in float16, runs the tests'
-check (``_check_half``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes, per-head budgets, one fwd+bwd) and
-prints the max abs error of out, dq, dk and dv for the kernel and for the same masked attention computed by torch
-at the same precision, both against float32, with their ratio. The check asserts ratio <= 2 (flash-attention's
-rule) plus a small floor; this script shows the margin. Not a timing.
+For each case of ``test_fp16_matches_fp32_reference`` (``tests/test_kernels_gpu.py``; the cases are
+``mtraining_kernels.reference.HALF_PRECISION_CASES``: Gluon at 128 x 128 with head dim 128 and 64, Triton at 64 x 64,
+the all-snake order at 32767), in bfloat16 and in float16, runs the tests' check
+(``mtraining_kernels.reference.half_precision_case``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes,
+per-head budgets, one fwd+bwd) and prints the max abs error of out, dq, dk and dv for the kernel and for the same
+masked attention computed by torch at the same precision, both against float32, with their ratio. The check
+asserts ratio <= 2 (flash-attention's rule) plus a small floor; this script shows the margin. Not a timing. (The
+tests run the cases without a config through the public ``sparse_attention``, which on CUDA makes the same
+``vertical_slash_attention`` call with the same tile lists and scale as this script.)
 
 Command (GPU, via the device tool; repo root, with ``kernels/`` importable as ``mtraining_kernels``)::
 
@@ -16,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
@@ -29,15 +30,14 @@ def main() -> None:
     ap.add_argument("--out", default="precision.json", help="JSON file for the rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("kernel_precision.py needs a CUDA GPU (the test helpers allocate on 'cuda')")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import test_kernels_gpu as t
+        raise SystemExit("kernel_precision.py needs a CUDA GPU (the precision cases allocate on 'cuda')")
+    from mtraining_kernels.reference import HALF_PRECISION_CASES, half_precision_case, kernel_config
 
     rows = []
     print(f"{'dtype':9} {'S':>6} {'D':>4} {'tiles':>9} {'order':>6} " + " ".join(f"{n + ' k/t':>22}" for n in NAMES))
     for dtype in (torch.bfloat16, torch.float16):
-        for S, D, block, spec in t.HALF_CASES:
-            kern, ref = t._check_half(S, D, block, t._config(spec) if spec else None, dtype=dtype)
+        for S, D, block, spec in HALF_PRECISION_CASES:
+            kern, ref = half_precision_case(S, D, block, kernel_config(spec) if spec else None, dtype=dtype)
             row = dict(dtype=str(dtype).replace("torch.", ""), S=S, D=D, block=block, config=spec or "default",
                        kernel=kern, torch=ref, ratio=[a / b if b else None for a, b in zip(kern, ref)])
             rows.append(row)

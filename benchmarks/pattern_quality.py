@@ -5,10 +5,13 @@ Command (repo root; the corpus is built on first use by :func:`lightning_mtraini
 minutes on 2 CPU cores shared with other jobs, of which 19 training at 5-15 s a step)::
 
     python benchmarks/pattern_quality.py --data-dir data/stdlib_bytes --steps 100 \\
-        --out benchmarks/pattern_quality.json --plot benchmarks/pattern_quality.png \\
+        --out benchmarks/data/pattern_quality_small_qwen2_cpu_2026-12-05.json \\
+        --plot benchmarks/data/pattern_quality_small_qwen2_cpu_2026-12-05.png \\
         --save-patterns /tmp/pattern_quality_patterns
-    python benchmarks/pattern_quality.py --replot --out benchmarks/pattern_quality.json \\
-        --plot benchmarks/pattern_quality.png   # tables and PNG again from the JSON, no compute
+    # tables and PNG again from the JSON, no compute:
+    python benchmarks/pattern_quality.py --replot \\
+        --out benchmarks/data/pattern_quality_small_qwen2_cpu_2026-12-05.json \\
+        --plot benchmarks/data/pattern_quality_small_qwen2_cpu_2026-12-05.png
 
     # then the load imbalance of the ring on the estimated patterns (benchmarks/imbalance.py, its input (b)):
     python benchmarks/imbalance.py --patterns /tmp/pattern_quality_patterns/topp0.9_t128_32k.pt \\

@@ -285,8 +285,9 @@ class _VerticalSlashAttention(torch.autograd.Function):
         # checkpointing, whose saved-tensor hooks drop q, k, v and out, the cache alone would keep every layer's
         # q, k and v alive through the forward: 0.31 GiB a layer at 64K tokens for the Qwen2.5-3B shape, 11.3 GiB
         # over 36 layers (computed), against a measured 14.0 GiB more peak memory for the sparse than the dense
-        # Trainer path at 64K (benchmarks/RESULTS.md "Training throughput", before this change; its effect is not
-        # yet measured). The recomputed tensors have other addresses, so the descriptors would not be reused
+        # Trainer path at 64K (benchmarks/journal/train-throughput-2026-12-06.md, the table before this change;
+        # since, the sparse step's peak equals the dense one's: benchmarks/RESULTS.md "Training throughput"). The
+        # recomputed tensors have other addresses, so the descriptors would not be reused
         # anyway; the backward rebuilds them (host microseconds) and gathers the columns again (one small kernel).
         ctx.tiles, ctx.scale, ctx.config, ctx.cache, ctx.softcap = tiles, scale, config, {}, softcap
         return out

@@ -51,7 +51,7 @@ step's work is one entry of :func:`ring_work`'s matrix, verticals counted when t
 with the selected vertical columns all-gathered once per layer, the vertical pairs of all chunks form one extra
 step and the ring steps carry tile work only.
 
-Cost, measured on the 2-core CPU machine (torch 2.13.0+cpu, shared with other jobs; medians of 5, two sessions):
+Cost, measured on the 2-core CPU machine (torch 2.13.0+cpu, shared with other jobs; medians of 5, in each of two runs):
 a whole Qwen2.5-3B-sized pattern (B = 1, G = 576 rows = 36 layers x 16 heads, ``synthetic_pattern(1048576, 0.02)``
 of ``benchmarks/imbalance.py``: ~1250 verticals and ~3600 slashes per row on average) at N = 1,048,576, T = 128,
 W = 64: ``ring_work`` 0.42-0.53 s striped, 0.31-0.32 s zigzag, 0.25-0.32 s contiguous; ``ring_step_work`` the

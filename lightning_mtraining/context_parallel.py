@@ -261,15 +261,21 @@ class ContextParallelMixin:
             cp_size = resolve_context_parallel_size(self._context_parallel_size, world)
             resolve_inner_ring_size(self._inner_ring_size, cp_size, max(devices, 1))
 
+    def _build_mesh_and_plan(self, cp_size: int, inner: int) -> tuple[DeviceMesh | None, ContextParallelPlan]:
+        """The device mesh and this rank's plan (the FSDP2 strategy builds its N-dimensional mesh here)."""
+        return build_context_parallel(self.root_device.type, self.world_size, cp_size, inner, self.layout,
+                                      self.block_size)
+
+    def _describe_mesh(self, cp_size: int, inner: int) -> str:
+        return describe_mesh(type(self).__name__, self.world_size, cp_size, inner, self.layout, self.block_size)
+
     def _build_context_parallel(self) -> None:
         cp_size, inner = self.cp_size, self.inner_ring_size  # raise on bad sizes before any collective
-        self._device_mesh, self._plan = build_context_parallel(
-            self.root_device.type, self.world_size, cp_size, inner, self.layout, self.block_size
-        )
+        self._device_mesh, self._plan = self._build_mesh_and_plan(cp_size, inner)
         if dist.is_initialized() and self._exit_state is None:
             self._exit_state = {"interrupted": False, "release": weakref.WeakMethod(self._release_process_groups)}
             atexit.register(_destroy_process_group_at_exit, self._exit_state)
-        mesh = describe_mesh(type(self).__name__, self.world_size, cp_size, inner, self.layout, self.block_size)
+        mesh = self._describe_mesh(cp_size, inner)
         if mesh != self._logged_mesh:  # once per strategy, not again for each of fit/validate/test/predict
             self._logged_mesh = mesh
             rank_zero_info(mesh)

@@ -5,6 +5,10 @@ Shape legend: B batch, H query heads, Hkv key/value heads, G pattern heads (H or
 sequence length, N = S * W the padded global length, W = cp_size, n probe rows (``last_q``), D head dim,
 P key pieces of R consecutive positions.
 
+Why one file of ~660 lines: the recall (``attention_recall``) scores its sampled rows with the estimator's own probe
+machinery (``_Probe``, ``_resolve``, ``_scores``), and the selection's collectives and the scorer are one algorithm
+(Note [Distributed estimation]); split apart, each half would import the other's private helpers.
+
 The contract (``estimate_pattern``), per batch row and pattern head:
 
 - probe rows are the last ``last_q`` positions of the row's *real* sequence (``seq_len``; padding added for
@@ -274,8 +278,8 @@ _SCORER = "auto"  # "auto": Triton on CUDA where it applies; "torch"; "triton" (
 def _runs_block(n_total: int, cp_rank: int, cp_size: int, layout: str, block_size: int, n: int) -> int:
     """A key block of consecutive global positions with ``n <= block + 1``, or 0: 64 first (at 128K on an H100
     the vertical and slash sums take 0.47 ms with 64-key blocks against 2.04 ms with 128, as the diagonal gather
-    grows with the square of the block; benchmarks/RESULTS.md "Pattern estimation time"), then 128 (for up to
-    129 probe rows), 32 and 16."""
+    grows with the square of the block; benchmarks/journal/results-estimation.md, "Where the time goes"), then 128
+    (for up to 129 probe rows), 32 and 16."""
     pos = torch.arange(n_total) if cp_size == 1 else global_positions(n_total, cp_rank, cp_size, layout, block_size)
     from mtraining_kernels.probe_scores import blocks_are_runs
 

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mtraining.callback import SparseAttentionCallback
-from lightning_mtraining.options import TRAINER_ONLY, ContextParallelOptions, document_options
+from lightning_mtraining.options import FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.context_parallel import ContextParallelMixin
 from lightning_mtraining.parallel import check_sparsity_args
@@ -63,7 +63,7 @@ class _ShardingDataLoader:
             yield self._strategy.shard_batch(move_data_to_device(batch, self._strategy.root_device))
 
 
-@document_options(exclude=TRAINER_ONLY)
+@document_options(exclude=TRAINER_ONLY + FSDP_ONLY)
 class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
 

@@ -344,7 +344,7 @@ def _liger_function() -> Any:
 # gradient once per chunk; a larger constant runs fewer, larger chunks (transient bf16 logits of
 # rows * chunk_mem_const * hidden / vocab rows). H100, Qwen2.5-3B head (benchmarks/RESULTS.md "Fused loss"): 1 -> 4
 # takes 8K rows from 113 to 36 ms and 64K from 220 to 191 ms for 0.6 GiB more at 64K; 8 and 16 gain little more at
-# 64K for 1.2 and 3.5 GiB more.
+# 64K for 1.2 and 3.5 GiB more (benchmarks/journal/results-training.md, "Fused linear + cross-entropy loss").
 LIGER_CHUNK_MEM = 4
 
 
@@ -395,9 +395,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     and 191 ms at 64K for loss and gradients against 64 and 494 ms here (this path's float32 elementwise passes over
     each chunk's logits cost more than its matmuls), with the same error against a float32 reference;
     cut-cross-entropy held the least memory but its ``d hidden`` error was 8x the others' (benchmarks/RESULTS.md
-    "Fused loss"). Liger-Kernel is maintained by LinkedIn, used by
-    Hugging Face's Trainer and TRL, and applies a soft-cap; the torch path stays for CPU, a constant logit scale
-    (Granite, Cohere) and installs without it. Both match the plain loss (tests/test_fused_loss.py).
+    "Fused loss"; the cut-cross-entropy rows: benchmarks/journal/results-training.md). Liger-Kernel is maintained
+    by LinkedIn, used by Hugging Face's Trainer and TRL, and applies a soft-cap; the torch path stays for CPU, a
+    constant logit scale (Granite, Cohere) and installs without it. Both match the plain loss
+    (tests/test_fused_loss.py).
     """
     if backend not in FUSED_LOSS_BACKENDS:
         raise ValueError(f"fused_linear_cross_entropy: backend must be one of {FUSED_LOSS_BACKENDS}, got {backend!r}")

@@ -26,8 +26,8 @@ from lightning_mtraining.layouts import LAYOUTS
 from lightning_mtraining.losses import FUSED_LOSS_BACKENDS
 from lightning_mtraining.pattern import SparsityConfig
 
-__all__ = ["ContextParallelOptions", "FIELD_DOCS", "LOSS_CHECKS", "OPTIONS_MARKER", "TRAINER_ONLY", "document_options",
-           "options_doc"]
+__all__ = ["ContextParallelOptions", "FIELD_DOCS", "FSDP_ONLY", "LOSS_CHECKS", "OPTIONS_MARKER", "TRAINER_ONLY",
+           "document_options", "options_doc"]
 
 LOSS_CHECKS = ("raise", "warn", "off")
 
@@ -37,6 +37,10 @@ OPTIONS_MARKER = "(the ContextParallelOptions fields, rendered here by document_
 # Options that only the Trainer strategies accept: Fabric returns the step's outputs as the user's code made them
 # (nothing to gather), and offloads where the user runs the forward (``torch.autograd.graph.save_on_cpu``).
 TRAINER_ONLY = ("gather_outputs", "offload_activations")
+
+# Options of the N-dimensional mesh (:mod:`lightning_mtraining.mesh`) that only the FSDP2 strategy accepts: tensor
+# parallel layers are DTensors, which DDP does not reduce, and HSDP is FSDP2's.
+FSDP_ONLY = ("tensor_parallel_size", "data_parallel_replicate_size")
 
 FIELD_DOCS: dict[str, str] = {
     "context_parallel_size": (
@@ -91,6 +95,15 @@ FIELD_DOCS: dict[str, str] = {
         "(``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs, so "
         "GPU activation memory no longer grows with depth. Costs host-device copies each step. With Fabric, run the "
         "forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``."),
+    "tensor_parallel_size": (
+        "(FSDP2) ranks that split each decoder layer's heads and MLP columns (torch's ``parallelize_module`` with "
+        "the model's ``base_model_tp_plan``, Note [Tensor parallel attention] in "
+        ":mod:`lightning_mtraining.tensor_parallel`); the innermost mesh axis. Heads, KV heads and the MLP's "
+        "intermediate size must be divisible by it. Embeddings, norms and the output layer stay replicated."),
+    "data_parallel_replicate_size": (
+        "(FSDP2) data-parallel replicas of the FSDP2 shards (HSDP): parameters are sharded over "
+        "``world / (data_parallel_replicate_size x tensor_parallel_size)`` ranks (the dp-shard x cp ranks) and "
+        "replicated over this many; the outermost mesh axis."),
 }
 
 
@@ -112,6 +125,8 @@ class ContextParallelOptions:
     compile: bool | dict[str, Any] = False
     gather_outputs: bool = True
     offload_activations: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_replicate_size: int = 1
     owner: str = dataclasses.field(default="ContextParallelOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +153,10 @@ class ContextParallelOptions:
                 isinstance(key, str) for key in self.compile)):
             raise TypeError(f"{o}(compile=...) must be True, False or a dict of torch.compile keyword arguments, got "
                             f"{self.compile!r}")
+        for name in FSDP_ONLY:
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{o}({name}=...) must be a positive int, got {size!r}")
         for name in ("activation_checkpointing", "gather_outputs", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{o}({name}=...) must be True or False, got {getattr(self, name)!r}")

@@ -19,6 +19,15 @@ rank holds a slice of every parameter; gradients are averaged over all ranks, wh
         loss.backward()
         optimizer.step(); optimizer.zero_grad()
 
+With tensor parallelism the mesh has more axes (Note [The mesh axes] in :mod:`lightning_mtraining.mesh`):
+:func:`apply_context_parallel` also splits the decoder layers over ``mesh["tp"]`` (Note [Tensor parallel
+attention] in :mod:`lightning_mtraining.tensor_parallel`), and :func:`apply_fsdp` shards over dp x cp::
+
+    mesh = build_mesh("cuda", dp_replicate=1, cp=2, tp=2)    # dp_shard: what is left of the world
+    cp_model = apply_context_parallel(model, mesh)            # tp first, then ring attention over "cp"
+    apply_fsdp(model, mesh)                                   # FSDP2 over dp_shard x cp (HSDP with dp_replicate)
+    sample = loader[step * axes.dp + axes.dp_rank]            # axes = MeshAxes.of(mesh); tp and cp ranks share it
+
 The per-batch state (the current shard) is kept in the handle's plan, which the model hooks read.
 """
 
@@ -45,11 +54,13 @@ from lightning_mtraining.hf import (
     validate_model,
 )
 from lightning_mtraining.layouts import document_starts
+from lightning_mtraining.mesh import fsdp_mesh
 from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.schedule import AttentionSchedule
 from lightning_mtraining.sharding import IGNORE_INDEX, shard_batch, sparse_padding_multiple
+from lightning_mtraining.tensor_parallel import apply_tensor_parallel, local_sparsity
 
-__all__ = ["ContextParallel", "apply_context_parallel", "check_sparsity_args", "restore_batch_type"]
+__all__ = ["ContextParallel", "apply_context_parallel", "apply_fsdp", "check_sparsity_args", "restore_batch_type"]
 
 
 def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_size: int) -> None:
@@ -237,19 +248,25 @@ def apply_context_parallel(
     mesh: DeviceMesh | None = None,
     *,
     cp_dim: str = "cp",
+    tp_dim: str = "tp",
     layout: str = "striped",
     block_size: int = 128,
     sparsity: SparsityConfig | Callable[[int], SparsityConfig | None] | None = None,
     fused_loss: bool | str = True,
     activation_checkpointing: bool = False,
 ) -> ContextParallel:
-    """Switch the Hugging Face causal LMs inside ``model`` to context parallelism over ``mesh[cp_dim]``.
+    """Switch the Hugging Face causal LMs inside ``model`` to context parallelism over ``mesh[cp_dim]``, after
+    splitting their decoder layers over ``mesh[tp_dim]`` when the mesh has that axis with more than one rank.
 
     Args:
         model: a ``transformers`` causal LM, or a module holding some.
-        mesh: a device mesh with a ``cp_dim`` dimension (e.g. ``("dp", "cp")``); ``None``: one process, no split.
+        mesh: a device mesh with a ``cp_dim`` dimension (``("dp", "cp")``, or :func:`~lightning_mtraining.mesh.
+            build_mesh`'s four axes); ``None``: one process, no split.
+        tp_dim: the tensor parallel axis; absent or of size 1: no tensor parallelism. The split stays when
+            :meth:`ContextParallel.restore` undoes the rest.
         layout, block_size: the token layout of the shards (see :mod:`lightning_mtraining.layouts`).
         sparsity: a :class:`SparsityConfig` for every layer, a function of the layer index, or None (dense).
+            With tensor parallelism, per-head budgets are those of the global heads (each rank takes its own).
         fused_loss, activation_checkpointing: as the strategies' options (Note [Fused loss] in
             :mod:`lightning_mtraining.fused_loss_hook`).
 
@@ -263,6 +280,14 @@ def apply_context_parallel(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"apply_context_parallel: block_size must be a positive int, got {block_size!r}")
     if mesh is None:
+        if sparsity is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # group=None means the default group to the ring and the estimator: they would treat this process's
+            # sequence as one shard of a world-sized ring
+            raise ValueError(
+                f"apply_context_parallel: mesh=None means one process, but torch.distributed is initialised with "
+                f"{dist.get_world_size()} ranks and sparse attention needs its CP group; pass a mesh with a 'cp' "
+                "axis (build_mesh(..., cp=1) for no context parallelism)"
+            )
         plan = ContextParallelPlan(0, 1, layout, block_size)
     else:
         if mesh.mesh_dim_names is None or cp_dim not in mesh.mesh_dim_names:
@@ -272,8 +297,30 @@ def apply_context_parallel(
             )
         cp_mesh = mesh[cp_dim]
         plan = ContextParallelPlan(cp_rank=cp_mesh.get_local_rank(), cp_size=cp_mesh.size(), layout=layout,
-                                   block_size=block_size, group=cp_mesh.get_group() if cp_mesh.size() > 1 else None)
+                                   block_size=block_size, group=cp_mesh.get_group())  # size 1 too: not WORLD
     layer_sparsity = sparsity if callable(sparsity) else (lambda layer_idx: sparsity)
     check_sparsity_args("apply_context_parallel", [sparsity] if not callable(sparsity) else [], layout, block_size)
+    if mesh is not None and tp_dim in (mesh.mesh_dim_names or ()) and mesh[tp_dim].size() > 1:
+        tp_mesh = mesh[tp_dim]
+        apply_tensor_parallel(model, tp_mesh)
+        tp_rank, tp_size, global_sparsity = tp_mesh.get_local_rank(), tp_mesh.size(), layer_sparsity
+        layer_sparsity = lambda layer_idx: local_sparsity(global_sparsity(layer_idx), tp_rank, tp_size)  # noqa: E731
     return ContextParallel(model, plan, layer_sparsity=layer_sparsity, fused_loss=fused_loss,
                            activation_checkpointing=activation_checkpointing)
+
+
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh | None, *, reshard_after_forward: bool = True) -> bool:
+    """FSDP2 ``fully_shard`` every decoder layer, then each Hugging Face model inside ``module``, over the dp x cp
+    part of ``mesh`` (:func:`~lightning_mtraining.mesh.fsdp_mesh`: HSDP when the mesh has ``dp_replicate > 1``).
+    Apply after tensor parallelism. Returns False (and does nothing) without a mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        return False
+    shard_mesh = fsdp_mesh(mesh)
+    for model in find_hf_models(module):
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        for layer in layers if layers is not None else []:
+            fully_shard(layer, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=shard_mesh)
+    return True

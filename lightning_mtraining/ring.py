@@ -57,6 +57,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from lightning_mtraining import ring_trace
 from lightning_mtraining._profiling import ATTENTION, LISTS, profiled
 from lightning_mtraining.attention_ops import (
     BlockAttentionOp,
@@ -165,37 +166,42 @@ def resolve_topology(
 class _Exchange:
     """One posted ring transfer: ``send`` goes to the next rank, the returned buffer comes from the previous."""
 
-    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
-        self.recv = torch.empty_like(send)
+    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup | None, rank: int, size: int, level: str) -> None:
+        self.recv, self.level = torch.empty_like(send), level
         nxt = dist.get_global_rank(group, (rank + 1) % size)
         prv = dist.get_global_rank(group, (rank - 1) % size)
         ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, self.recv, prv, group)]
         self.peers = (f"send of {tuple(send.shape)} to rank {nxt}", f"receive of {tuple(send.shape)} from rank {prv}")
         with named_failure(f"ring attention's transfers to rank {nxt} and from rank {prv}"):
             self.works = dist.batch_isend_irecv(ops)
+        ring_trace.sent(level, send)  # instrumentation (ring_trace.py): a no-op unless a RingTrace is active
 
     def wait(self) -> torch.Tensor:
-        for w, what in zip(self.works, self.peers):
-            with named_failure(f"ring attention's {what}"):
-                w.wait()
+        with ring_trace.waiting(self.level):
+            for w, what in zip(self.works, self.peers):
+                with named_failure(f"ring attention's {what}"):
+                    w.wait()
         return self.recv
 
 
 def _inner(topo: RingTopology, send: torch.Tensor) -> _Exchange:
-    return _Exchange(send, topo.inner_group, topo.inner_rank, topo.inner_size)
+    return _Exchange(send, topo.inner_group, topo.inner_rank, topo.inner_size, "inner")
 
 
 def _outer(topo: RingTopology, send: torch.Tensor) -> _Exchange:
-    return _Exchange(send, topo.outer_group, topo.outer_rank, topo.outer_size)
+    return _Exchange(send, topo.outer_group, topo.outer_rank, topo.outer_size, "outer")
 
 
 def _walk(kv: torch.Tensor, topo: RingTopology) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield ``(source cp rank, kv chunk)`` per step; the next step's transfers are posted before each yield."""
     outer_kv = kv
     for so in range(topo.outer_size):
+        ring_trace.step()  # a step starts before its transfers are posted
         outer_pending = _outer(topo, outer_kv) if so < topo.outer_size - 1 else None
         cur = outer_kv
         for si in range(topo.inner_size):
+            if si:
+                ring_trace.step()
             inner_pending = _inner(topo, cur) if si < topo.inner_size - 1 else None
             yield topo.source(so, si), cur
             if inner_pending is not None:
@@ -324,61 +330,74 @@ def _gather_vertical_kv(kv: torch.Tensor, plan: StepLists, group, cp_size: int) 
     rows = kv.index_select(3, local) * mine.view(1, 1, 1, -1, 1).to(kv.dtype)
     if cp_size > 1:
         rows = rows.contiguous()
-        with named_failure(f"ring attention's all-reduce of the vertical keys' K/V {tuple(rows.shape)}"):
+        ring_trace.sent("collective", rows)
+        with named_failure(f"ring attention's all-reduce of the vertical keys' K/V {tuple(rows.shape)}"), \
+                ring_trace.waiting("collective"):
             dist.all_reduce(rows, group=group)
     return rows
 
 
 def _ring_forward(q, kv, topo: RingTopology, positions, op: BlockAttentionOp, scale: float, plan=None,
                   group=None, variant: dict | None = None, skip_dense: dict[int, bool] | None = None):
-    state = None
-    for src, cur in _walk(kv, topo):
-        tiles, skip = _step(plan, src, skip_dense)
-        state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip, variant)
-    if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals]
-        kv_v = _gather_vertical_kv(kv, plan, group, topo.cp_size)
-        state = forward_step(state, op, q, kv_v, positions[topo.cp_rank], plan.vert_pos, scale, plan.gathered,
-                             plan.gathered_skip, variant)
-        return state, kv_v
+    with ring_trace.call("fwd", plan is not None, q.device):
+        state = None
+        for src, cur in _walk(kv, topo):
+            tiles, skip = _step(plan, src, skip_dense)
+            with ring_trace.compute():
+                state = forward_step(state, op, q, cur, positions[topo.cp_rank], positions[src], scale, tiles, skip,
+                                     variant)
+        if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals]
+            ring_trace.step("vertical")
+            kv_v = _gather_vertical_kv(kv, plan, group, topo.cp_size)
+            with ring_trace.compute():
+                state = forward_step(state, op, q, kv_v, positions[topo.cp_rank], plan.vert_pos, scale, plan.gathered,
+                                     plan.gathered_skip, variant)
+            return state, kv_v
     return state, None
 
 
 def _ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: BlockAttentionOp, scale: float,
                    plan=None, variant: dict | None = None, skip_dense: dict[int, bool] | None = None):
-    adt = acc_dtype(q.dtype)
-    q_pos = positions[topo.cp_rank]
-    dq = torch.zeros(q.shape, dtype=adt, device=q.device)
-    Wi, Wo = topo.inner_size, topo.outer_size
-    outer_kv = kv
-    outer_dkv: _Exchange | None = None
-    total: torch.Tensor | None = None
-    for so in range(Wo):
-        outer_kv_pending = _outer(topo, outer_kv) if so < Wo - 1 else None
-        cur = outer_kv
-        inner_dkv: _Exchange | None = None
-        dkv = None
-        for si in range(Wi):
-            kv_pending = _inner(topo, cur) if si < Wi - 1 else None
-            src = topo.source(so, si)
-            tiles, skip = _step(plan, src, skip_dense)
-            dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[src], scale, tiles, skip, variant)
-            if inner_dkv is not None:  # what the previous ranks of the inner ring accumulated for this chunk
-                dkv += inner_dkv.wait()
-            if Wi > 1:  # on to the next rank; after the last step this returns the chunk to its starter
-                inner_dkv = _inner(topo, dkv)
-            if kv_pending is not None:
-                cur = kv_pending.wait()
-        node_dkv = inner_dkv.wait() if Wi > 1 else dkv  # this node's sum for the outer chunk held at step so
-        if outer_dkv is not None:  # what earlier nodes accumulated for the same chunk
-            node_dkv = node_dkv + outer_dkv.wait()
+    with ring_trace.call("bwd", plan is not None, q.device):
+        adt = acc_dtype(q.dtype)
+        q_pos = positions[topo.cp_rank]
+        dq = torch.zeros(q.shape, dtype=adt, device=q.device)
+        Wi, Wo = topo.inner_size, topo.outer_size
+        outer_kv = kv
+        outer_dkv: _Exchange | None = None
+        total: torch.Tensor | None = None
+        for so in range(Wo):
+            ring_trace.step()  # a step starts before its transfers are posted
+            outer_kv_pending = _outer(topo, outer_kv) if so < Wo - 1 else None
+            cur = outer_kv
+            inner_dkv: _Exchange | None = None
+            dkv = None
+            for si in range(Wi):
+                if si:
+                    ring_trace.step()
+                kv_pending = _inner(topo, cur) if si < Wi - 1 else None
+                src = topo.source(so, si)
+                tiles, skip = _step(plan, src, skip_dense)
+                with ring_trace.compute():
+                    dkv = backward_step(dq, op, q, cur, out, lse, dout, q_pos, positions[src], scale, tiles, skip,
+                                        variant)
+                if inner_dkv is not None:  # what the previous ranks of the inner ring accumulated for this chunk
+                    dkv += inner_dkv.wait()
+                if Wi > 1:  # on to the next rank; after the last step this returns the chunk to its starter
+                    inner_dkv = _inner(topo, dkv)
+                if kv_pending is not None:
+                    cur = kv_pending.wait()
+            node_dkv = inner_dkv.wait() if Wi > 1 else dkv  # this node's sum for the outer chunk held at step so
+            if outer_dkv is not None:  # what earlier nodes accumulated for the same chunk
+                node_dkv = node_dkv + outer_dkv.wait()
+            if Wo > 1:
+                outer_dkv = _outer(topo, node_dkv)
+            else:
+                total = node_dkv
+            if outer_kv_pending is not None:
+                outer_kv = outer_kv_pending.wait()
         if Wo > 1:
-            outer_dkv = _outer(topo, node_dkv)
-        else:
-            total = node_dkv
-        if outer_kv_pending is not None:
-            outer_kv = outer_kv_pending.wait()
-    if Wo > 1:
-        total = outer_dkv.wait()
+            total = outer_dkv.wait()
     return dq, total[0], total[1]
 
 
@@ -386,11 +405,16 @@ def _gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, 
                        variant: dict | None = None):
     """The gathered vertical step's backward: dq here, the columns' dK/dV summed over the ranks and added by their
     owners (Note [Gathered verticals])."""
-    dkv_v = backward_step(dq, op, q, kv_v, out, lse, dout, q_pos, plan.vert_pos, scale, plan.gathered,
-                          plan.gathered_skip, variant)
-    if cp_size > 1:
-        with named_failure(f"ring attention's all-reduce of the vertical keys' dK/dV {tuple(dkv_v.shape)}"):
-            dist.all_reduce(dkv_v, group=group)
+    with ring_trace.call("bwd", True, q.device, first_index=cp_size):
+        ring_trace.step("vertical")
+        with ring_trace.compute():
+            dkv_v = backward_step(dq, op, q, kv_v, out, lse, dout, q_pos, plan.vert_pos, scale, plan.gathered,
+                                  plan.gathered_skip, variant)
+        if cp_size > 1:
+            ring_trace.sent("collective", dkv_v)
+            with named_failure(f"ring attention's all-reduce of the vertical keys' dK/dV {tuple(dkv_v.shape)}"), \
+                    ring_trace.waiting("collective"):
+                dist.all_reduce(dkv_v, group=group)
     local, mine = plan.owned
     keep = mine.view(1, 1, 1, -1, 1).to(dkv_v.dtype)
     dk.index_add_(2, local, (dkv_v[0] * keep[0]).to(dk.dtype))

@@ -64,7 +64,7 @@ from lightning_mtraining.context_parallel import (  # noqa: F401
     resolve_context_parallel_size,
     resolve_inner_ring_size,
 )
-from lightning_mtraining.options import LOSS_CHECKS, ContextParallelOptions, document_options  # noqa: F401
+from lightning_mtraining.options import FSDP_ONLY, LOSS_CHECKS, ContextParallelOptions, document_options  # noqa: F401
 from lightning_mtraining.parallel import ContextParallel, check_sparsity_args, restore_batch_type  # noqa: F401
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 
@@ -158,7 +158,7 @@ def check_offload(owner: str, offload_activations: Any) -> None:
     ContextParallelOptions(offload_activations=offload_activations, owner=owner)
 
 
-@document_options
+@document_options(exclude=FSDP_ONLY)
 class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for the Lightning ``Trainer``.
 

@@ -11,6 +11,12 @@ averages over all ranks, which with the loss scaling of Note [Exact losses and g
 :mod:`lightning_mtraining.hf` is the exact gradient. Batches are sharded as with :class:`MTrainingStrategy`;
 losses are checked the same way. Checkpoints: Lightning's distributed checkpoints (a folder, one shard per rank;
 ``save_distributed_checkpoint=False`` for one file), which load at another world size.
+
+With ``tensor_parallel_size`` or ``data_parallel_replicate_size`` above 1 the mesh is the N-dimensional one of
+:mod:`lightning_mtraining.mesh` (``("dp_replicate", "dp_shard", "cp", "tp")``, Note [The mesh axes]): in ``setup``
+the decoder layers are split over ``"tp"`` (:mod:`lightning_mtraining.tensor_parallel`) before FSDP2 shards over
+``dp_shard x cp`` (HSDP over ``dp_replicate``). The CP ring is then flat (no hierarchical rings). Distributed
+checkpoints hold DTensors and load at another (dp, cp, tp) layout.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_mtraining.hf import find_hf_models
-from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
-from lightning_mtraining.options import ContextParallelOptions, document_options
 from lightning_mtraining.context_parallel import ContextParallelMixin
+from lightning_mtraining.hf import ContextParallelPlan
+from lightning_mtraining.mesh import build_mesh, resolve_mesh_sizes
+from lightning_mtraining.options import ContextParallelOptions, document_options
+from lightning_mtraining.parallel import apply_fsdp
+from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategy import TrainerStepHooks
+from lightning_mtraining.tensor_parallel import apply_tensor_parallel, clip_grad_norm_, local_sparsity
 
 __all__ = ["MTrainingFSDPStrategy"]
 
@@ -36,6 +45,12 @@ def _is_sharded(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _has_dtensors(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 @document_options
@@ -65,6 +80,8 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         offload_activations: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,
+        tensor_parallel_size: int = 1,
+        data_parallel_replicate_size: int = 1,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -78,6 +95,88 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         self.reshard_after_forward = reshard_after_forward
         self._gather_outputs = options.gather_outputs
         self.offload_activations = options.offload_activations
+        self.tensor_parallel_size = options.tensor_parallel_size
+        self.data_parallel_replicate_size = options.data_parallel_replicate_size
+
+    # ---- the mesh: ("dp", "cp"), or ("dp_replicate", "dp_shard", "cp", "tp") with tp or dp_replicate > 1 ----
+
+    @property
+    def _n_dimensional(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.data_parallel_replicate_size > 1
+
+    def _mesh_sizes(self, world: int) -> tuple[int, int, int, int]:
+        """``(dp_replicate, dp_shard, cp, tp)`` for ``world`` ranks; ``context_parallel_size="auto"``: every rank
+        that is neither a replica nor a tp rank."""
+        replicate, tp, cp = self.data_parallel_replicate_size, self.tensor_parallel_size, self._context_parallel_size
+        if cp == "auto":
+            if world % (replicate * tp):
+                raise ValueError(
+                    f"{type(self).__name__}: the world of {world} ranks is not divisible by "
+                    f"data_parallel_replicate_size {replicate} x tensor_parallel_size {tp}"
+                )
+            cp = world // (replicate * tp)
+        return resolve_mesh_sizes(world, dp_replicate=replicate, cp=cp, tp=tp, owner=type(self).__name__)
+
+    @property
+    @override
+    def cp_size(self) -> int:
+        return self._mesh_sizes(self.world_size)[2]
+
+    @property
+    @override
+    def dp_size(self) -> int:
+        replicate, shard, _, _ = self._mesh_sizes(self.world_size)
+        return replicate * shard
+
+    @property
+    @override
+    def cp_rank(self) -> int:
+        return (self.global_rank // self.tensor_parallel_size) % self.cp_size
+
+    @property
+    @override
+    def dp_rank(self) -> int:
+        return self.global_rank // (self.cp_size * self.tensor_parallel_size)
+
+    @property
+    @override
+    def inner_ring_size(self) -> int:
+        if not self._n_dimensional:
+            return super().inner_ring_size
+        if self._inner_ring_size not in (None, self.cp_size):
+            raise ValueError(
+                f"{type(self).__name__}(inner_ring_size={self._inner_ring_size}): hierarchical rings are not built "
+                "with tensor_parallel_size or data_parallel_replicate_size above 1; leave inner_ring_size=None"
+            )
+        return self.cp_size
+
+    @override
+    def _check_sizes_before_launch(self) -> None:
+        world = self.num_nodes * self.num_processes
+        if world > 0 and self._n_dimensional:
+            self._mesh_sizes(world)
+        else:
+            super()._check_sizes_before_launch()
+
+    @override
+    def _build_mesh_and_plan(self, cp_size: int, inner: int) -> tuple[Any, ContextParallelPlan]:
+        if not self._n_dimensional:
+            return super()._build_mesh_and_plan(cp_size, inner)
+        mesh = build_mesh(self.root_device.type, dp_replicate=self.data_parallel_replicate_size, cp=cp_size,
+                          tp=self.tensor_parallel_size)
+        cp_mesh = mesh["cp"]
+        plan = ContextParallelPlan(cp_rank=cp_mesh.get_local_rank(), cp_size=cp_size, layout=self.layout,
+                                   block_size=self.block_size, group=cp_mesh.get_group())
+        return mesh, plan
+
+    @override
+    def _describe_mesh(self, cp_size: int, inner: int) -> str:
+        if not self._n_dimensional:
+            return super()._describe_mesh(cp_size, inner)
+        replicate, shard, cp, tp = self._mesh_sizes(self.world_size)
+        unit = f" (block {self.block_size})" if self.layout == "striped" else ""
+        return (f"{type(self).__name__}: world {self.world_size} = dp_replicate {replicate} x dp_shard {shard} x "
+                f"cp {cp} x tp {tp}, flat ring of {cp}, {self.layout} layout{unit}")
 
     @override
     def _configure_launcher(self) -> None:
@@ -98,23 +197,15 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         return ContextParallelMixin.distributed_sampler_kwargs.fget(self)  # type: ignore[attr-defined]
 
     def _shard_parameters(self, module: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        if self._device_mesh is None:  # one process: nothing to shard
-            return
-        mesh = self._device_mesh._flatten("dp_cp")
-        for model in find_hf_models(module):
-            layers = getattr(getattr(model, "model", None), "layers", None)
-            for layer in layers if layers is not None else []:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-            fully_shard(model, mesh=mesh)
+        if not apply_fsdp(module, self._device_mesh, reshard_after_forward=self.reshard_after_forward):
+            return  # one process: nothing to shard
         if not _is_sharded(module):
             raise RuntimeError(f"{type(self).__name__}: found no parameters to shard in {type(module).__name__}")
 
     @override
     def setup(self, trainer: Any) -> None:
         # ModelParallelStrategy.setup, except that configure_model need not be overridden: the models are switched
-        # to ring attention, then sharded here unless configure_model did it.
+        # to ring attention, then split over tp and sharded here unless configure_model did it.
         from lightning.pytorch.trainer.states import TrainerFn
 
         from lightning_mtraining.callback import SparseAttentionCallback
@@ -124,11 +215,24 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, SparseAttentionCallback)]
         callback = callbacks[0] if callbacks else SparseAttentionCallback()
         every = getattr(trainer, "log_every_n_steps", 50)
-        self.prepare_models(self.model, callback.layer_sparsity_fn(self.sparsity), callback.schedule_options(every))
+        layer_sparsity = callback.layer_sparsity_fn(self.sparsity)
+        tp = self.tensor_parallel_size
+        if tp > 1:  # each tp rank estimates its own heads (Note [Tensor parallel attention])
+            tp_rank, global_sparsity = self.global_rank % tp, layer_sparsity
+            layer_sparsity = lambda layer_idx: local_sparsity(global_sparsity(layer_idx), tp_rank, tp)  # noqa: E731
+        self.prepare_models(self.model, layer_sparsity, callback.schedule_options(every))
         if not callbacks and self.attention_schedule is not None:
             trainer.callbacks.append(callback)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if tp > 1:
+            if not _has_dtensors(self.model):
+                apply_tensor_parallel(self.model, self.device_mesh["tp"])
+            # Trainer(gradient_clip_val=...): gradients on two meshes, which torch's clip_grad_norm_ refuses
+            # (Note [Tensor parallel attention])
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
+                plugin.main_params(optimizer), clip_val)
         if not _is_sharded(self.model):
             self._shard_parameters(self.model)
         self.barrier()

@@ -1,10 +1,11 @@
 """Vertical-slash Triton kernels on a CUDA GPU at real sizes in bfloat16 and float16 (skipped without a GPU).
 
-Rule (flash-attention's): the kernel's error against a float32 reference must be at most twice the error of the
-same computation done by torch at the kernel's precision (:func:`attention_chunked_ref` with dtype=bfloat16 or
-float16, float32 accumulation inside matmuls), plus a floor for outputs whose torch error is itself ~0 (1e-3 in
-bfloat16, scaled by the ratio of the dtypes' machine epsilons for float16: 1.25e-4). Backward is rerun 50 times
-and must be bit-identical (the kernels use no floating-point atomics).
+Rule (flash-attention's; :mod:`mtraining_kernels.reference`, shared with ``benchmarks/kernel_precision.py``): the
+kernel's error against a float32 reference must be at most twice the error of the same computation done by torch
+at the kernel's precision (:func:`attention_chunked_ref` with dtype=bfloat16 or float16, float32 accumulation
+inside matmuls), plus a floor for outputs whose torch error is itself ~0 (1e-3 in bfloat16, scaled by the ratio of
+the dtypes' machine epsilons for float16: 1.25e-4). Backward is rerun 50 times and must be bit-identical (the
+kernels use no floating-point atomics).
 """
 
 from __future__ import annotations
@@ -12,20 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtraining_kernels.reference import (
+    HALF_PRECISION_CASES,
+    half_precision_case,
+    kernel_config,
+    max_abs_errors,
+    random_pattern,
+)
+
 pytestmark = pytest.mark.gpu
 
 
 def _pattern(B, G, S, n_vertical, slashes, seed):
-    g = torch.Generator().manual_seed(seed)
-    vi = torch.randint(0, S, (B, G, n_vertical), generator=g)
-    vi[..., :4] = torch.arange(4)  # sinks
-    si = torch.tensor(slashes).expand(B, G, -1).clone()
-    si[:, 1:, -1] = -1  # per-head different budgets: later heads drop their last slash
-    return vi.cuda(), si.cuda()
-
-
-def _errors(got, ref):
-    return [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref)]
+    return random_pattern(B, G, S, n_vertical, slashes, seed, device="cuda")
 
 
 @pytest.mark.parametrize(
@@ -43,15 +43,6 @@ def test_softcap_bf16_matches_fp32_reference(softcap):
     _check_half(8191, 128, 128, softcap=softcap, q_gain=4.0)
 
 
-def _config(spec):
-    from mtraining_kernels.vertical_slash import KernelConfig
-
-    items = (i.partition("=") for i in spec.split(","))
-    kw = {key: val if key in ("forward", "dq", "dkdv", "dkdv_cols", "item_order") else int(val)
-          for key, _, val in items}
-    return KernelConfig(**kw)
-
-
 def _needs_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for sm_90 (Hopper) only")
@@ -63,7 +54,7 @@ def _needs_sm90():
 def test_bf16_launch_settings_match_fp32_reference(config):
     # the Triton kernels at 128 x 128 tiles (where 'auto' would pick Gluon) and their other launch settings (query
     # tiles split over several programs, 4-warp programs, the other launch order): same pairs, same rule, ragged
-    _check_half(8191, 128, 128, _config(config))
+    _check_half(8191, 128, 128, kernel_config(config))
 
 
 @pytest.mark.parametrize("S,D,spec", [(8191, 128, "forward=gluon"), (32767, 128, "forward=gluon,dq=gluon"),
@@ -80,7 +71,7 @@ def test_bf16_gluon_kernels_match_fp32_reference(S, D, spec):
     # the warp-specialised Gluon forward, dq, dk/dv and column dk/dv kernels, the others Triton's: same rule,
     # ragged lengths (the column kernel with 1 and 3 query-range parts per chunk pair and the default)
     _needs_sm90()
-    _check_half(S, D, 128, _config(spec))
+    _check_half(S, D, 128, kernel_config(spec))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -183,64 +174,25 @@ def test_gluon_forward_merges_a_running_result(D, case):
         assert (l_g[b:b + 1] - l_ref).abs().max().item() <= 1e-3
 
 
-# (S, D, tile size, KernelConfig spec); benchmarks/kernel_precision.py reports the margins of these cases
-HALF_CASES = [(8191, 128, 128, ""), (8191, 64, 128, ""), (8191, 128, 64, ""), (32767, 128, 128, "item_order=snake")]
-
-
-@pytest.mark.parametrize("S,D,block,spec", HALF_CASES)
+@pytest.mark.parametrize("S,D,block,spec", HALF_PRECISION_CASES)
 def test_fp16_matches_fp32_reference(S, D, block, spec):
     # float16 inputs through the default kernels (Gluon on sm_90 at 128 x 128 tiles, Triton at 64 x 64 and on
     # other GPUs): the same rule against torch in float16. float16 keeps 3 more mantissa bits than bfloat16, so
     # both errors shrink ~8x; the floor shrinks with them (module docstring), so it still only covers outputs ~0
-    _check_half(S, D, block, _config(spec) if spec else None, dtype=torch.float16)
+    _check_half(S, D, block, kernel_config(spec) if spec else None, dtype=torch.float16)
 
 
 def _check_half(S, D, block, config=None, dtype=torch.bfloat16, softcap=None, q_gain=1.0):
-    """One fwd+bwd held to the rule of the module docstring; returns the max abs errors of (out, dq, dk, dv)
-    against float32 for the kernel and for torch at ``dtype`` (``benchmarks/kernel_precision.py`` prints them)."""
+    """One fwd+bwd held to the rule (:func:`mtraining_kernels.reference.half_precision_case`); with no ``config``
+    and no ``softcap`` through the public ``sparse_attention``, else ``vertical_slash_attention``."""
+    if config is not None or softcap is not None:
+        return half_precision_case(S, D, block, config, dtype=dtype, softcap=softcap, q_gain=q_gain)
     from lightning_mtraining.sparse import sparse_attention
-    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
-    from mtraining_kernels.reference import vertical_slash_mask
-    from mtraining_kernels.vertical_slash import vertical_slash_attention
 
-    torch.manual_seed(0)
-    B, H, Hkv = 1, 16, 2
-    q, k, v, dout = (torch.randn(B, h, S, D, device="cuda", dtype=dtype) for h in (H, Hkv, Hkv, H))
-    q = q * q_gain
-    vi, si = _pattern(B, Hkv, S, 300, [0, 1, 64, 100, 1000, 3333], seed=S)
-    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    vih, sih = expand_pattern(vi, H, Hkv), expand_pattern(si, H, Hkv)
-    bm, bn = (block, block) if isinstance(block, int) else block
-    if config is None and softcap is None:
-        out = sparse_attention(qg, kg, vg, vi, si, block_size=block)
-    else:
-        out = vertical_slash_attention(qg, kg, vg, pattern_tile_lists(vih, sih, S, bm, bn), config=config,
-                                       softcap=softcap)
-    out.backward(dout)
+    def public_api(q, k, v, vertical_idx, slash_idx, block):
+        return sparse_attention(q, k, v, vertical_idx, slash_idx, block_size=block)
 
-    def mask_rows(r0, r1):
-        return vertical_slash_mask(vih, sih, S, bm, rows=(r0, r1), block_n=bn)
-
-    return _assert_half_rule((out, qg.grad, kg.grad, vg.grad), q, k, v, dout, mask_rows, D**-0.5, dtype,
-                             softcap=softcap)
-
-
-def _assert_half_rule(got, q, k, v, dout, mask_rows, scale, dtype, what="kernel", softcap=None):
-    """The rule of the module docstring for ``got = (out, dq, dk, dv)`` computed from ``q, k, v, dout`` (in
-    ``dtype``) over the pairs ``mask_rows(r0, r1)``; returns the max abs errors against float32 of ``got`` and of
-    torch at ``dtype``."""
-    from mtraining_kernels.reference import attention_chunked_ref
-
-    ref = attention_chunked_ref(q, k, v, dout, mask_rows, scale, torch.float32, softcap=softcap)
-    same = attention_chunked_ref(q, k, v, dout, mask_rows, scale, dtype, softcap=softcap)
-    names = ("out", "dq", "dk", "dv")
-    ref4, same4 = (ref[0], *ref[2:]), (same[0], *same[2:])
-    err = _errors(got, ref4)
-    err_torch = _errors(same4, ref4)
-    floor = 1e-3 * torch.finfo(dtype).eps / torch.finfo(torch.bfloat16).eps
-    for n, e, et in zip(names, err, err_torch):
-        assert e <= 2 * et + floor, f"{n}: {what} error {e:.3e} > 2 x torch {dtype} error {et:.3e} + {floor:.1e}"
-    return err, err_torch
+    return half_precision_case(S, D, block, dtype=dtype, q_gain=q_gain, attention=public_api)
 
 
 @pytest.mark.parametrize("block", [64, (128, 64), 128])
@@ -350,8 +302,8 @@ def test_dense_block_ops_striped_positions():
     fin = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse), fin)
     assert (lse[fin] - ref[1][fin]).abs().max().item() < 1e-2
-    err = _errors((out, dq, dk, dv), (ref[0], *ref[2:]))
-    err_torch = _errors((same[0], *same[2:]), (ref[0], *ref[2:]))
+    err = max_abs_errors((out, dq, dk, dv), (ref[0], *ref[2:]))
+    err_torch = max_abs_errors((same[0], *same[2:]), (ref[0], *ref[2:]))
     for n, e, et in zip(("out", "dq", "dk", "dv"), err, err_torch):
         assert e <= 2 * et + 1e-3, f"{n}: kernel error {e:.3e} > 2 x torch bf16 error {et:.3e}"
 

@@ -7,12 +7,13 @@ import inspect
 import pytest
 
 from lightning_mtraining.fabric import MTrainingFabricStrategy
-from lightning_mtraining.options import FIELD_DOCS, TRAINER_ONLY, ContextParallelOptions
+from lightning_mtraining.options import FIELD_DOCS, FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions
 from lightning_mtraining.pattern import SparsityConfig
 from lightning_mtraining.strategy import MTrainingStrategy
 from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
 
-STRATEGIES = {MTrainingStrategy: (), MTrainingFSDPStrategy: (), MTrainingFabricStrategy: TRAINER_ONLY}
+STRATEGIES = {MTrainingStrategy: FSDP_ONLY, MTrainingFSDPStrategy: (),
+              MTrainingFabricStrategy: TRAINER_ONLY + FSDP_ONLY}
 FIELDS = {f.name: f for f in dataclasses.fields(ContextParallelOptions) if f.name != "owner"}
 
 

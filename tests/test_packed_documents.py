@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _dist import hierarchical_groups, run_distributed
+from _models import VOCAB, make_model
 from _ops import CountingOp
 from lightning_mtraining import (
     SparsityConfig,
@@ -329,18 +330,11 @@ def test_estimate_pattern_with_documents_follows_the_contract_on_any_world_size(
 
 # --- a Hugging Face model ------------------------------------------------------------------------------------------
 
-VOCAB = 64
 DOCS = [[37, 25, 28], [50, 40]]  # two rows of 90 tokens: three and two documents
 
 
 def make_qwen():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.3, attn_implementation="eager")
-    return transformers.AutoModelForCausalLM.from_config(config).float()
+    return make_model("qwen2", max_position_embeddings=256)
 
 
 def packed_batch(labels: bool = True) -> dict[str, torch.Tensor]:

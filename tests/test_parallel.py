@@ -7,18 +7,14 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _models import VOCAB
+from _models import make_model as tiny_model
 
-VOCAB, SEQ, STEPS, LR = 64, 45, 3, 0.5
+SEQ, STEPS, LR = 45, 3, 0.5
 
 
 def make_model():
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         attn_implementation="eager", initializer_range=0.3, tie_word_embeddings=True)
-    return AutoModelForCausalLM.from_config(config).float()
+    return tiny_model("qwen2", max_position_embeddings=256, tie_word_embeddings=True)
 
 
 def samples(n: int) -> list[torch.Tensor]:

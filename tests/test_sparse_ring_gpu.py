@@ -4,7 +4,8 @@
   the Triton/Gluon kernels, in one process, with the real ring's step lists and merge order) against the float32
   reference on the unsharded tensors (``attention_chunked_ref`` over the pattern's mask ``vertical_slash_mask``,
   the definition of ``sparse_attention``): out, dq, dk, dv under the rule of ``tests/test_kernels_gpu.py``
-  (``_assert_half_rule``: error at most twice torch's own bfloat16 error against the same reference, plus 1e-3).
+  (``mtraining_kernels.reference.check_half_precision``: error at most twice torch's own bfloat16 error against the
+  same reference, plus 1e-3).
   The ring adds W log-sum-exp merges of bfloat16 block outputs in float32, each a convex combination, so its
   error stays at the level of one bfloat16 rounding, inside the rule.
 - A block whose key count is not a multiple of the tile (Sk != Sq): the columns-only lists
@@ -30,7 +31,7 @@ from lightning_mtraining.estimation import estimate_pattern
 from lightning_mtraining.layouts import global_positions, shard_sequence, unshard_sequence
 from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
 from lightning_mtraining.simulated import SimulatedRing
-from test_kernels_gpu import _assert_half_rule, _pattern
+from mtraining_kernels.reference import check_half_precision, random_pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,8 @@ def test_sparse_ring_bf16_matches_fp32_reference(S, W, D, layout, per_kv):
     q, k, v, dout = _inputs(S, D, seed=S + W + D)
     # sinks, 300 random verticals (duplicates possible), the local diagonal, near slashes, far slashes (a far one
     # off the tile grid), a per-head budget (heads after the first drop the last slash: -1 padding)
-    vi, si = _pattern(B, HKV if per_kv else H, S, 300, [0, 1, 64, 100, 1000, S - 200, 3333], seed=S + W)
+    vi, si = random_pattern(B, HKV if per_kv else H, S, 300, [0, 1, 64, 100, 1000, S - 200, 3333], seed=S + W,
+                            device="cuda")
     sim = SimulatedRing(W, layout, T, pattern=VerticalSlashPattern(vi, si, T))
     outs = sim.forward(q, k, v)
     grads = sim.backward([shard_sequence(dout, 2, r, W, layout, T).contiguous() for r in range(W)])
@@ -68,7 +70,7 @@ def test_sparse_ring_bf16_matches_fp32_reference(S, W, D, layout, per_kv):
     def mask_rows(r0, r1):
         return vertical_slash_mask(vih, sih, S, T, rows=(r0, r1))
 
-    _assert_half_rule(got, q, k, v, dout, mask_rows, D**-0.5, torch.bfloat16, what=f"sparse ring W={W}")
+    check_half_precision(got, q, k, v, dout, mask_rows, D**-0.5, torch.bfloat16, what=f"sparse ring W={W}")
 
 
 @pytest.mark.parametrize("D", [128, 64])
@@ -81,7 +83,7 @@ def test_columns_only_block_over_gathered_verticals(D):
 
     S, W, rank = 8192, 4, 1
     q, k, v, dout = _inputs(S, D, seed=D)
-    vi, si = _pattern(B, HKV, S, 300, [0, 1, 64, 100, 1000, 3333], seed=11)
+    vi, si = random_pattern(B, HKV, S, 300, [0, 1, 64, 100, 1000, 3333], seed=11, device="cuda")
     vih, sih = expand_pattern(vi, H, HKV), expand_pattern(si, H, HKV)
     keys = torch.unique(vih[vih >= 0])
     if keys.numel() % T == 0:
@@ -116,8 +118,8 @@ def test_columns_only_block_over_gathered_verticals(D):
     assert torch.equal(torch.isfinite(lse), fin)
     # lse: float32 sums of exact bf16 products (relative noise ~1e-6 on values below ~20): 1e-3 is a wide margin
     assert (lse[fin] - lse_ref[fin]).abs().max().item() < 1e-3
-    _assert_half_rule((out, dq, dk, dv), qs, kg, vg, ds, mask_rows, scale, torch.bfloat16,
-                      what=f"columns-only block (Sk={keys.numel()})")
+    check_half_precision((out, dq, dk, dv), qs, kg, vg, ds, mask_rows, scale, torch.bfloat16,
+                         what=f"columns-only block (Sk={keys.numel()})")
 
 
 # --------------------------------------------------------------------------------------------------------------

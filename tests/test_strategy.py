@@ -14,8 +14,8 @@ initializer_range=0.3 (sharp attention) so that real bugs are far outside it; ch
 purpose: shard-local RoPE positions move the first loss by 0.3, a per-rank (not global) target count by 2.9,
 returning the partial per-rank loss value by 1.4.
 
-The helpers here (tiny models, data, LightningModule, reference trainer) are shared by test_fabric.py and
-test_multinode.py.
+The helpers here (data, LightningModule, reference trainer; the tiny models come from _models.py) are shared by
+test_fabric.py and test_multinode.py.
 """
 
 from __future__ import annotations
@@ -28,31 +28,10 @@ import pytest
 import torch
 
 from _dist import run_distributed
-
-VOCAB = 64
+from _models import VOCAB, make_model  # noqa: F401 (make_model is imported from here by other tests)
 
 
 # ---- shared helpers --------------------------------------------------------------------------------------------
-
-
-def tiny_config(family: str, **overrides: Any):
-    from transformers import LlamaConfig, Qwen2Config
-
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
-    kwargs = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, attn_implementation="eager",
-        initializer_range=0.3,  # sharper attention than the default 0.02: wrong positions or targets show up
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
-def make_model(family: str, seed: int = 0, **overrides: Any):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).float()
 
 
 def make_samples(n: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:

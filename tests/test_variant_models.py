@@ -18,27 +18,24 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _models import VOCAB
+from _models import make_model as tiny_model
 
-VOCAB, SEQ, STEPS, LR = 64, 90, 2, 0.5
+SEQ, STEPS, LR = 90, 2, 0.5
 
 
 def make_model(family: str, window: int):
-    import transformers
-
-    torch.manual_seed(0)
-    tiny = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
-                attn_implementation="eager")
     if family == "gemma2":
-        config = transformers.Gemma2Config(**tiny, head_dim=8, sliding_window=window, attn_logit_softcapping=3.0,
-                                           final_logit_softcapping=5.0, query_pre_attn_scalar=8)
-        assert config.layer_types == ["sliding_attention", "full_attention"]
+        model = tiny_model("gemma2", max_position_embeddings=256, head_dim=8, sliding_window=window,
+                           attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=8)
+        assert model.config.layer_types == ["sliding_attention", "full_attention"]
     elif family == "mistral":
-        config = transformers.MistralConfig(**tiny, sliding_window=window)
+        model = tiny_model("mistral", max_position_embeddings=256, sliding_window=window)
     else:
-        config = transformers.Qwen2Config(**tiny, use_sliding_window=True, sliding_window=window, max_window_layers=1)
-        assert config.layer_types == ["full_attention", "sliding_attention"]
-    return transformers.AutoModelForCausalLM.from_config(config).float()
+        model = tiny_model("qwen2", max_position_embeddings=256, use_sliding_window=True, sliding_window=window,
+                           max_window_layers=1)
+        assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    return model
 
 
 def sparsity():
