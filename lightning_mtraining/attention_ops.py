@@ -3,6 +3,10 @@
 Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, G = H // Hkv query heads share one KV
 head: query head h reads KV head h // G), Sq / Sk query / key lengths of the block, D head dim.
 
+Why one file of ~650 lines: the protocol below and its two implementations (``TorchBlockOp``, the reference on
+every device, and ``FlexBlockOp``, CUDA), each with every variant (tiles, windows, soft-caps, packed documents), are
+kept side by side so that a variant is added to both and checked against the same text.
+
 An op computes causal attention of a block of queries against a block of keys, where causality is decided by
 *global token positions*: query i may see key j iff ``k_pos[j] <= q_pos[i]``. Positions are increasing within
 each block (true for every layout in :mod:`lightning_mtraining.layouts`), so a tile of queries either sees a tile

@@ -4,6 +4,10 @@ Shape legend: B batch, H query heads, Hkv key/value heads, S local (per-rank) se
 W = cp_size. ``kv`` is K and V packed as one tensor ``[2, B, Hkv, S, D]`` so each ring step sends one message;
 K/V keep their Hkv heads on the wire and in memory (never repeated to H).
 
+Why one file of ~740 lines: the forward and backward walks, the step functions the simulated ring shares, and the
+setup that decides what each step runs (pattern -> per-step lists, the steps windows and documents skip, the variant
+op) all follow Note [Ring schedule]; the custom ops (``ring_op``, ``sparse_ring_op``) call the same setup and walks.
+
 Note [Ring schedule]
 --------------------
 CP ranks are numbered ``cp_rank = outer_rank * inner_size + inner_rank`` (outer = node, inner = GPU in node).
