@@ -41,7 +41,7 @@ def _node_main(out_dir: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     results = []
     for scenario in SCENARIOS:
-        import lightning_mtraining.strategy as strategy_mod
+        import lightning_mtraining.context_parallel as strategy_mod  # where the strategies build their mesh
 
         captured = {}
         original = strategy_mod.build_context_parallel
