@@ -142,7 +142,7 @@ def _check_ring(per_rank, w, cases):
         assert err < TOL[dtype], f"W={w} {cases[i]}: relative error {err}"
 
 
-@pytest.mark.parametrize("w", [1, 2, 3])
+@pytest.mark.parametrize("w", [1, 3])
 def test_ring_with_window_and_softcap_matches_reference(w):
     cases = _cases()
     per_rank = run_distributed(run_variant_cases, w, cases) if w > 1 else [run_variant_cases(0, 1, cases)]
@@ -228,7 +228,7 @@ def _sparse_softcap_worker(rank, w, n, pattern, softcap):
     return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
 
 
-@pytest.mark.parametrize("w", [2, 3])
+@pytest.mark.parametrize("w", [3])
 def test_sparse_ring_with_softcap_matches_capped_pattern_reference(w):
     """A given pattern (torch op on CPU) with soft-capping: the capped softmax over exactly the pattern's pairs."""
     from mtraining_kernels.indexing import expand_pattern

@@ -195,7 +195,7 @@ def _check(per_rank, w, cases):
             assert rel(plain, want) > 1e-2
 
 
-@pytest.mark.parametrize("w", [1, 2, 3])
+@pytest.mark.parametrize("w", [1, 3])
 def test_ring_with_documents_matches_reference(w):
     cases = _cases()
     per_rank = run_distributed(_ring_worker, w, cases) if w > 1 else [_ring_worker(0, 1, cases)]
@@ -403,8 +403,7 @@ def _assert_same(got, want):
 # every layout is covered at the ring level above; here the striped default and the contiguous layout (whose rank 0
 # holds only the first document: no documents to mask there, the estimator's collectives still run on every rank)
 @pytest.mark.parametrize("world_size, sparsity, labels_in_step, layout", [
-    (1, None, False, "striped"), (1, None, True, "striped"), (2, None, False, "striped"),
-    (3, None, True, "striped"), (3, "full", False, "contiguous"), (3, "full", True, "striped"),
+    (1, None, False, "striped"), (1, None, True, "striped"), (3, None, True, "striped"), (3, "full", False, "contiguous"), (3, "full", True, "striped"),
 ])
 def test_packed_batch_trains_like_its_documents_one_by_one(world_size, sparsity, labels_in_step, layout):
     want = one_by_one()
@@ -428,7 +427,7 @@ def test_documents_matter_for_the_model():
     assert abs(loss - one_by_one()[0]) > 1e-3
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])
 def test_sparse_packed_batch_is_the_same_on_any_world_size(world_size):
     want = _model_worker(0, 1, _small_sparsity(), False)
     results = run_distributed(_model_worker, world_size, _small_sparsity(), False, timeout=240)

@@ -103,13 +103,13 @@ def _check(per_rank, w):
     return errs
 
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("w", [1, 2, 3, 8])  # W = 4: the 2 x 2 hierarchy below and test_sparse_ring.py
 def test_flat_ring_matches_dense(w):
     per_rank = [run_cases(0, 1, max_scores=600)] if w == 1 else run_distributed(worker_flat, w)
     _errors_by_w[w] = _check(per_rank, w)
 
 
-@pytest.mark.parametrize("w, inner", [(4, 2), (6, 3), (3, 1), (8, 4)])
+@pytest.mark.parametrize("w, inner", [(4, 2), (6, 3), (3, 1)])  # W = 8 hierarchies: test_sparse_ring.py
 def test_hierarchical_ring_matches_dense(w, inner):
     _check(run_distributed(worker_hierarchical, w, inner), w)
 
@@ -142,7 +142,7 @@ def worker_simulated_equivalence(rank, w, inner):
     return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
 
 
-@pytest.mark.parametrize("w, inner", [(3, 3), (6, 3)])
+@pytest.mark.parametrize("w, inner", [(6, 3)])
 def test_simulated_ring_equals_real_ring(w, inner):
     real = run_distributed(worker_simulated_equivalence, w, inner)
     q, k, v, do = make_inputs(seq_len("striped", w), 16, seed=7)
