@@ -74,7 +74,7 @@ QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, 
 SPLIT = ("attention", "estimation", "lists", "rest")
 RANGES = {"mtraining::attention": "attention", "mtraining::estimate": "estimation", "mtraining::lists": "lists"}
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
-# kernels whose launch the profiler did not record, by name: the Triton kernels of kernels/probe_scores.py,
+# kernels whose launch the profiler did not record, by name: the Triton kernels of mtraining_kernels/probe_scores.py,
 # list_builder.py, triton_forward.py, triton_backward.py and the gluon_*.py files
 UNLINKED = {"estimation": ("_lse_kernel", "_scores_kernel"),
             "lists": ("_mark_kernel", "_compact_kernel", "_lists_kernel", "_col_bits_kernel"),
