@@ -13,10 +13,10 @@ Commands (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``; one 
 What is trained: a randomly initialised ``Qwen2ForCausalLM`` (``--model-size``: "base" = hidden 1024, 12 layers, 8
 query heads of dim 128, 2 KV heads, MLP 2816, byte vocabulary: ~135M parameters), byte-level, on windows of
 ``--seq-len`` tokens packed from the project's embedded corpus (the Python standard library's own sources, read
-file by file, each file a document ended by EOS, as :mod:`lightning_mtraining.data` tokenises them; read here
+file by file, each file a document ended by EOS, as :mod:`lightning_mtraining.data.corpus` tokenises them; read here
 directly so the benchmark runs without litdata) plus the language reference prose shipped with Python (one long
 document, ~465 KB), with a share (``--task-share``) of windows starting with a generated long-context task
-(:mod:`lightning_mtraining.long_tasks`, seeds disjoint from the evaluation's). Files are split train/held-out by
+(:mod:`lightning_mtraining.data.long_tasks`, seeds disjoint from the evaluation's). Files are split train/held-out by
 a hash of their name. A plain torch loop over :func:`lightning_mtraining.apply_context_parallel` on one device
 (what a Trainer with ``strategy="mtraining"`` runs per step, without Lightning): AdamW, linear warm-up and cosine
 decay, bf16 autocast with float32 weights on CUDA, activation checkpointing, the fused loss.
@@ -145,7 +145,7 @@ def windows(docs: list[bytes], seq_len: int, seed: int):
 
 def training_batches(args, train_docs):
     """The same sequence of windows for every variant: corpus windows, a share of them led by a generated task."""
-    from lightning_mtraining.long_tasks import HAYSTACKS, KINDS, make_task
+    from lightning_mtraining.data.long_tasks import HAYSTACKS, KINDS, make_task
 
     import random
 
@@ -212,7 +212,7 @@ def heldout_loss(model, cp, held_windows, device) -> float:
 
 def run_variant(args, variant: str, device, save=None) -> dict:
     from lightning_mtraining import apply_context_parallel, register_sparse_prefill, SparsityConfig
-    from lightning_mtraining.long_tasks import make_tasks, score_tasks, summarize
+    from lightning_mtraining.data.long_tasks import make_tasks, score_tasks, summarize
 
     sparsity = sparsity_for(args, variant)
     train_docs, held_docs = corpus_documents(args.max_files)

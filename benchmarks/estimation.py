@@ -69,11 +69,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_mtraining import estimation
-from lightning_mtraining.estimation import attention_recall, estimate_pattern
-from lightning_mtraining.layouts import shard_sequence
-from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.sparse import sparse_attention
+from lightning_mtraining.sparsity import estimation
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
+from lightning_mtraining.core.layouts import shard_sequence
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.attention import sparse_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms as bench, write_results  # noqa: E402
@@ -155,7 +155,7 @@ def fake_group(rank: int, world: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_mtraining.collectives import all_gather_stacked
+    from lightning_mtraining.core.collectives import all_gather_stacked
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     probe = torch.arange(3.0)

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_mtraining.losses import fused_linear_cross_entropy
+from lightning_mtraining.hf.losses import fused_linear_cross_entropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms, write_results  # noqa: E402
@@ -100,7 +100,7 @@ def method_fn(name: str, chunk_size: int | None) -> Callable:
     if name == "auto":
         return lambda h, w, t: fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
     if name.startswith("liger-fp32acc-c"):
-        from lightning_mtraining.losses import _liger_function, _liger_loss
+        from lightning_mtraining.hf.losses import _liger_function, _liger_loss
 
         if isinstance(_liger_function(), str):
             raise ImportError(_liger_function())

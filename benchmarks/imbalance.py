@@ -5,9 +5,9 @@
     python benchmarks/imbalance.py --patterns layers.pt --seq 524288 --out imbalance_estimated.json
 
 For every sequence length N, CP size W, layout (contiguous, zigzag, striped with 128-token blocks) and vertical
-mode, :func:`lightning_mtraining.balance.ring_step_work` counts the exact allowed (query, key) pairs of every rank
+mode, :func:`lightning_mtraining.sparsity.balance.ring_step_work` counts the exact allowed (query, key) pairs of every rank
 at every step of the ring's real schedule (flat, or hierarchical with ``--inner``), and
-:func:`~lightning_mtraining.balance.imbalance` reports
+:func:`~lightning_mtraining.sparsity.balance.imbalance` reports
 
 - ``total``: max over mean of the ranks' whole work;
 - ``critical``: sum over steps of the slowest rank's work, over the sum of the mean rank's (each step waits for
@@ -54,9 +54,9 @@ import time
 
 import torch
 
-from lightning_mtraining.balance import imbalance, ring_step_work
-from lightning_mtraining.layouts import LAYOUTS
-from lightning_mtraining.pattern import VerticalSlashPattern
+from lightning_mtraining.sparsity.balance import imbalance, ring_step_work
+from lightning_mtraining.core.layouts import LAYOUTS
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
 
 BUDGETS = [(1000, 6096, 310), (3500, 100, 107), (30, 800, 96), (100, 800, 44), (500, 700, 17), (100, 750, 2)]
 SINKS, WINDOW, TILE = 30, 100, 128

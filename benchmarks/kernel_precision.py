@@ -1,6 +1,6 @@
 """Precision report: the vertical-slash kernels' error against a float32 reference, next to torch's own error.
 
-For each case of ``test_fp16_matches_fp32_reference`` (``tests/test_kernels_gpu.py``; the cases are
+For each case of ``test_fp16_matches_fp32_reference`` (``tests/gpu/test_kernels_gpu.py``; the cases are
 ``mtraining_kernels.reference.HALF_PRECISION_CASES``: Gluon at 128 x 128 with head dim 128 and 64, Triton at 64 x 64,
 the all-snake order at 32767), in bfloat16 and in float16, runs the tests' check
 (``mtraining_kernels.reference.half_precision_case``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes,

@@ -200,7 +200,7 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     from mtraining_kernels import list_builder as lb
     from mtraining_kernels import triton_backward as tb
     from mtraining_kernels import triton_forward as tf
-    from mtraining_kernels.gluon_hopper import wgmma_serialization_note
+    from mtraining_kernels.gluon_tooling import wgmma_serialization_note
     from mtraining_kernels.triton_common import _num_warps
     from mtraining_kernels.vertical_slash import DEFAULT_CONFIG
 
@@ -345,7 +345,7 @@ def main() -> None:
                 base["sdpa_error"] = repr(e)[:200]
         if "flex" in anchors:
             try:
-                from lightning_mtraining.attention_ops import FlexBlockOp
+                from lightning_mtraining.ring.block_ops import FlexBlockOp
 
                 pos = torch.arange(S, device=dev)
                 dense_bm = FlexBlockOp(tile=128).block_mask(pos, pos)

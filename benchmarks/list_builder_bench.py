@@ -6,7 +6,7 @@ Commands (repo root)::
     python benchmarks/list_builder_bench.py --out $OUT/list_builder.json            # GPU: 128K and 512K, W = 8
     python benchmarks/list_builder_bench.py --cpu-smoke --out /tmp/list_builder.json  # CPU, tiny sizes, torch only
 
-Setting (what one rank builds per layer in the sparse ring, ``lightning_mtraining.ring.build_step_lists``): the
+Setting (what one rank builds per layer in the sparse ring, ``lightning_mtraining.ring.steps.build_step_lists``): the
 striped layout with W = 8 ranks, T = 128 tiles (stripe block 128), B = 1, H = 16 heads; rank 0's queries against
 each rank's key chunk. Pattern per head (a different random draw per head): verticals = sinks 0..3 plus ~1000 at
 random positions; slashes = the local band 0..127 plus 100 far offsets at random (about 2 computed tile offsets
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from lightning_mtraining.layouts import global_positions
+from lightning_mtraining.core.layouts import global_positions
 from mtraining_kernels.indexing import prepare_pattern_tiles, step_tile_lists, step_tile_lists_batched
 
 

@@ -1,7 +1,7 @@
 """Recall and density of the online vertical-slash estimator, per layer, on a small model trained briefly on the
 embedded corpus (CPU, single process, no GPU).
 
-Command (repo root; the corpus is built on first use by :func:`lightning_mtraining.data.build_stdlib_corpus`; 28
+Command (repo root; the corpus is built on first use by :func:`lightning_mtraining.data.corpus.build_stdlib_corpus`; 28
 minutes on 2 CPU cores shared with other jobs, of which 19 training at 5-15 s a step)::
 
     python benchmarks/pattern_quality.py --data-dir data/stdlib_bytes --steps 100 \\
@@ -72,8 +72,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as s
 from _timing import median_ms  # noqa: E402
 
 from lightning_mtraining import data  # noqa: E402
-from lightning_mtraining.estimation import attention_recall, estimate_pattern  # noqa: E402
-from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern  # noqa: E402
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern  # noqa: E402
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
 
 ATTENTION_NAME = "pattern_quality_capture"  # no "flash" in it: transformers would fetch a hub kernel by that name
 CPU = torch.device("cpu")
@@ -331,7 +332,7 @@ def replot(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", default=None, help="built corpus (default: lightning_mtraining.data's default)")
+    ap.add_argument("--data-dir", default=None, help="built corpus (default: lightning_mtraining.data.corpus's default)")
     ap.add_argument("--model-size", default="small", help="a key of examples/train.py's MODEL_SIZES")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--train-seq", type=int, default=8192)

@@ -11,7 +11,7 @@ prefill runs no backward); N = 32K, 64K, 128K, 256K, 512K (``--seqlens``). What 
 
 - ``sdpa``: transformers' ``sdpa_attention_forward`` (what ``attn_implementation="sdpa"`` runs: PyTorch SDPA,
   flash backend, ``enable_gqa``);
-- ``sparse``: :func:`lightning_mtraining.prefill.sparse_prefill_attention` (what the registered name runs at
+- ``sparse``: :func:`lightning_mtraining.hf.prefill.sparse_prefill_attention` (what the registered name runs at
   prefill): the online estimate (``estimate_pattern``, one device), the tile lists and the Triton kernels, all
   included; ``estimate`` alone is timed too. Two configs: top-p 0.9 with caps 4096/4096 (MTraining's training
   setting) and top-k 1024/1024, one pattern per query head, 4 sinks, a 128-token window, last_q 64.
@@ -33,9 +33,9 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_mtraining.estimation import attention_recall, estimate_pattern
-from lightning_mtraining.pattern import SparsityConfig
-from lightning_mtraining.prefill import sparse_prefill_attention
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.hf.prefill import sparse_prefill_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms, write_results  # noqa: E402

@@ -9,7 +9,7 @@ Measured in one run, side by side:
 - ``flex_dense``: single-GPU FlexAttention, dense causal BlockMask (compiled), forward+backward.
 - ``ring_w1_OP``: the production ``ring_attention`` at world size 1 (no process group), forward+backward, with
   block op OP (``flex``: FlexAttention; ``triton``: this project's Triton kernels, dense tile lists).
-- ``sim_wW_OP``: :class:`~lightning_mtraining.simulated.SimulatedRing` with W virtual ranks, striped layout: every
+- ``sim_wW_OP``: :class:`~lightning_mtraining.ring.simulated.SimulatedRing` with W virtual ranks, striped layout: every
   virtual rank's step kernels timed with CUDA events. ``critical`` = sum over steps of the slowest rank's step
   (what a real ring costs if communication is hidden), ``mean_rank`` = mean over ranks of their total,
   ``imbalance`` = max/mean of the per-rank totals.
@@ -29,9 +29,9 @@ import time
 import torch
 
 from lightning_mtraining import ring_attention
-from lightning_mtraining.attention_ops import FlexBlockOp
-from lightning_mtraining.layouts import shard_sequence
-from lightning_mtraining.simulated import SimulatedRing
+from lightning_mtraining.ring.block_ops import FlexBlockOp
+from lightning_mtraining.core.layouts import shard_sequence
+from lightning_mtraining.ring.simulated import SimulatedRing
 
 H, HKV, D = 16, 2, 128
 

@@ -1,5 +1,5 @@
 """Benchmark: the real ring over NCCL on N GPUs: results against one GPU, per-step overlap from the ring
-instrumentation (``lightning_mtraining.ring_trace``), and the scale model's prediction next to the measurement.
+instrumentation (``lightning_mtraining.ring.trace``), and the scale model's prediction next to the measurement.
 
 Commands (repo root, ``kernels/`` importable as ``mtraining_kernels``; one host, N GPUs)::
 
@@ -40,8 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from lightning_mtraining import RingTrace, ring_attention, shard_sequence, unshard_sequence  # noqa: E402
-from lightning_mtraining.pattern import VerticalSlashPattern  # noqa: E402
-from lightning_mtraining.sparse import sparse_attention  # noqa: E402
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
+from lightning_mtraining.sparsity.attention import sparse_attention  # noqa: E402
 
 
 def _groups(world: int, inner: int) -> tuple:

@@ -33,7 +33,7 @@ Inputs
     node and InfiniBand across (one NIC per GPU); presets ``h100-ndr`` (NVLink 4 450 GB/s, NDR 50 GB/s) and
     ``a100-hdr`` (the paper's: NVLink 3 300 GB/s, HDR 25 GB/s); ``efficiency`` scales both (1 = nominal).
 
-The schedule (Note [Ring schedule] in ``lightning_mtraining/ring.py``), per layer, ``Wo`` nodes x ``Wi`` ranks:
+The schedule (Note [Ring schedule] in ``lightning_mtraining/ring/walk.py``), per layer, ``Wo`` nodes x ``Wi`` ranks:
 
 - forward inner step: ``max(compute, transfer(kv))`` (the next chunk is posted before the compute, waited after;
   the last inner step sends nothing); outer step: ``max(sum of its inner steps, transfer_outer(kv))``.
@@ -303,7 +303,7 @@ def sparse_work(seq_len: int, gpus: int, inner: int | None, layout: str = "strip
     the number of gathered vertical columns (exact: ``balance.ring_step_work``)."""
     import torch
 
-    from lightning_mtraining.balance import ring_step_work
+    from lightning_mtraining.sparsity.balance import ring_step_work
 
     cache = {} if cache is None else cache
     pattern = _pattern(seq_len, cache)

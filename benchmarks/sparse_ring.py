@@ -15,7 +15,7 @@ Pattern: one layer of the synthetic Qwen2.5-3B pattern of ``benchmarks/imbalance
 imported: MInference's per-head budgets, far-slash share ``--far-share``), its first 16 rows (16 heads of a random
 draw of budgets), one pattern per query head, T = 128.
 
-Per case and layout, :class:`~lightning_mtraining.simulated.SimulatedRing` runs all W virtual ranks' steps in
+Per case and layout, :class:`~lightning_mtraining.ring.simulated.SimulatedRing` runs all W virtual ranks' steps in
 this process (``time_steps=True``: CUDA events around each step's ``forward_step`` / ``backward_step``: the block
 op plus the merge of the forward, the dq add and dK/dV stack of the backward):
 
@@ -30,9 +30,9 @@ op plus the merge of the forward, the dq add and dK/dV stack of the backward):
 Per-step times are medians over ``--reps`` passes (after one warm-up pass). Reported: ``critical`` = sum over
 steps of the slowest rank's step, forward and backward separately (each ring step waits for its slowest rank;
 communication assumed hidden), their sum; the measured time imbalance from the per-rank-per-step times
-(:func:`~lightning_mtraining.balance.imbalance`: ``total`` = max over mean of the ranks' totals, ``critical_path``
+(:func:`~lightning_mtraining.sparsity.balance.imbalance`: ``total`` = max over mean of the ranks' totals, ``critical_path``
 = critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern and
-layout in the schedule that ran (:func:`~lightning_mtraining.balance.ring_step_work`): ``work_imbalance`` (sparse:
+layout in the schedule that ran (:func:`~lightning_mtraining.sparsity.balance.ring_step_work`): ``work_imbalance`` (sparse:
 ``verticals="gathered"``, the vertical step last; dense: the full pattern) and ``work_imbalance_arrival`` (each
 vertical's pairs at the step its key's chunk arrives, W steps); the correlation over (rank, step) of time with the
 work of the schedule that ran; TFLOP/s on all the allowed pairs, the
@@ -55,10 +55,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_mtraining.balance import allowed_pairs, imbalance, ring_step_work
-from lightning_mtraining.layouts import shard_sequence
-from lightning_mtraining.pattern import VerticalSlashPattern
-from lightning_mtraining.simulated import SimulatedRing
+from lightning_mtraining.sparsity.balance import allowed_pairs, imbalance, ring_step_work
+from lightning_mtraining.core.layouts import shard_sequence
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+from lightning_mtraining.ring.simulated import SimulatedRing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms, write_results  # noqa: E402
@@ -135,7 +135,7 @@ def single_gpu_ms(q, k, v, dout, pattern: VerticalSlashPattern) -> float:
         vi, si = (expand_pattern(t.to(q.device), H, HKV) for t in (pattern.vertical_idx, pattern.slash_idx))
         tiles = pattern_tile_lists(vi, si, q.shape[2], T, T)
         return median_ms(lambda: vertical_slash_attention(qg, kg, vg, tiles).backward(dout), q.device, [qg, kg, vg])
-    from lightning_mtraining.sparse import sparse_attention
+    from lightning_mtraining.sparsity.attention import sparse_attention
 
     return median_ms(lambda: sparse_attention(qg, kg, vg, pattern.vertical_idx, pattern.slash_idx,
                                               block_size=T).backward(dout), q.device, [qg, kg, vg])

@@ -89,7 +89,7 @@ def check(args, mesh, solo, axes, device, sparse: bool) -> dict:
 
 
 def timing(args, mesh, axes, device, sparse: bool) -> dict:
-    from lightning_mtraining.pattern import PAPER_SPARSITY
+    from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 
     shape = dict(hidden=2048, layers=args.layers, heads=16, kv_heads=2, inter=11008, vocab=151936,
                  dtype=torch.bfloat16, device=device)

@@ -27,7 +27,7 @@ random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``
 
 ``--compile on`` (or ``both``: each variant eager, then compiled, in separate processes): every decoder layer
 compiled with ``torch.compile(fullgraph=True)``: the mtraining variants through ``MTrainingStrategy(compile=...)``,
-the others with ``lightning_mtraining.hf.compile_decoder_layers`` on the plain model (rows labelled ``compiled``).
+the others with ``lightning_mtraining.hf.compile.compile_decoder_layers`` on the plain model (rows labelled ``compiled``).
 The first steps compile (``--warmup`` of at least 1 keeps that out of the timed steps; more than one length per
 process recompiles per length). Compiled vs eager on one GPU, dense and sparse::
 
@@ -35,7 +35,7 @@ process recompiles per length). Compiled vs eager on one GPU, dense and sparse::
         --compile both --warmup 2 --steps 3 --out $OUT/train_throughput_compile.json
 
 ``--deterministic``: ``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``): what bit-identical
-reruns cost (``tests/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
+reruns cost (``tests/gpu/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
 strategy's non-finite loss guard (what the guard costs).
 
 Each variant runs in its own process (a fresh CUDA allocator), its sequence lengths in increasing order, each with
@@ -51,7 +51,7 @@ Time split (``--split``, default on; ``--no-split`` skips it): one more step aft
 ``estimation`` (``estimate_pattern``: probe-score kernels, top-k and selection), ``lists`` (``build_step_lists``: the
 per-tile index lists) and ``rest``. Each op, or kernel at the CPU call that launched it, counts for the innermost
 ``mtraining::estimate`` / ``mtraining::lists`` / ``mtraining::attention`` range around it
-(``lightning_mtraining._profiling``), else for an attention op around it, else for ``rest``. Reported per row as ``split_ms`` and ``split_share``
+(``lightning_mtraining.core.profiling``), else for an attention op around it, else for ``rest``. Reported per row as ``split_ms`` and ``split_share``
 (of the profiled step's device time, ``split_total_ms``), and as the table's shares. Sums of kernel times: kernels
 that overlap (other streams) count in full, and a checkpointed layer's recomputed forward counts in its own category.
 """
@@ -139,8 +139,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     import transformers
 
     from lightning_mtraining import MTrainingStrategy, SparsityConfig
-    from lightning_mtraining.hf import compile_decoder_layers
-    from lightning_mtraining.strategy import PAPER_SPARSITY
+    from lightning_mtraining.hf.compile import compile_decoder_layers
+    from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 
     compiled = args.compile == "on"
     compile_kwargs = {"fullgraph": True}

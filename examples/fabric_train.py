@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lightning_mtraining import MTrainingFabricStrategy, SparseAttentionCallback
-from lightning_mtraining.pattern import parse_sparsity
+from lightning_mtraining.sparsity.config import parse_sparsity
 
 
 def stdlib_windows(seq_len: int, num_samples: int, packages=("json", "email", "logging")) -> list[dict]:

@@ -1,7 +1,7 @@
 """The main job: train a small, randomly initialised Qwen2 (or Llama) on long byte-level code sequences.
 
 The corpus is the Python standard library's own sources on this machine (built once with litdata into
-``./data/stdlib_bytes``; see :mod:`lightning_mtraining.data`), cut into packed windows of ``--seq-len``
+``./data/stdlib_bytes``; see :mod:`lightning_mtraining.data.corpus`), cut into packed windows of ``--seq-len``
 tokens. Every window is split over the context-parallel ranks by ``MTrainingStrategy`` (the Trainer
 strategy registered as ``"mtraining"``), whose sparse ring attention makes each rank attend over the whole
 sequence: every layer's vertical-slash pattern is estimated online from the current Q and K (top-p 0.9 of the
@@ -102,13 +102,9 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
-from lightning_mtraining.callback import SparseAttentionCallback  # noqa: E402
-from lightning_mtraining.pattern import parse_sparsity  # noqa: E402
-from lightning_mtraining.metrics import (  # noqa: E402
-    TokenPerplexity,
-    TokensPerSecond,
-    TokenWeightedLoss,
-)
+from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback  # noqa: E402
+from lightning_mtraining.sparsity.config import parse_sparsity  # noqa: E402
+from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss
 
 assert VOCAB_SIZE >= data.VOCAB_SIZE
 

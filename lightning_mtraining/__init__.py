@@ -1,86 +1,94 @@
 """lightning-mtraining: MTraining (distributed dynamic sparse attention) for PyTorch Lightning.
 
-Layers, lowest first (imports only point down):
+The package is split by layer; imports only point down (``tests/unit/test_layers.py`` enforces it)::
 
-- ``mtraining_kernels`` (folder ``kernels/``): Triton vertical-slash sparse attention kernels.
-- core: :mod:`.layouts` (token layouts), :mod:`.pattern` (the pattern and its budgets), :mod:`.estimation`
-  (online pattern estimation, recall), :mod:`.balance` (exact work per rank and step), :mod:`.attention_ops`
-  (per-block attention ops), :mod:`.ring` (flat and hierarchical ring attention, dense and sparse), :mod:`.ring_trace`
-  (its optional per-step instrumentation), :mod:`.mesh` (the named dp x cp x tp device mesh),
-  :mod:`.simulated` (single-process ring), :mod:`.sparse` (single-device sparse attention), :mod:`.collectives`.
-- integration: :mod:`.sharding`, :mod:`.hf`, :mod:`.prefill` (sparse prefill for ``generate``), :mod:`.schedule`,
-  :mod:`.strategy`, :mod:`.fabric`, :mod:`.callback`, :mod:`.trace_callback`,
-  :mod:`.data`, :mod:`.metrics`, :mod:`.losses`, :mod:`.parallel`, :mod:`.tensor_parallel`.
+    mtraining_kernels   Triton / Gluon vertical-slash kernels, pattern -> tile lists      torch, triton
+    core                layouts, ring topology, collectives, shared checks                torch.distributed
+    sparsity            SparsityConfig, VerticalSlashPattern, online estimation, work counts, schedule,
+                        single-device sparse_attention
+    ring                block ops, per-step lists, the ring's forward/backward (flat, hierarchical), custom ops
+                        for torch.compile, the simulated ring, tracing
+    distributed         the named device mesh, the context-parallel plan, batch sharding
+    hf                  Hugging Face models: attention hook and model preparation, losses and the fused loss,
+                        tensor parallel, sparse prefill, compile, apply_context_parallel        transformers
+    metrics, data       torchmetrics metrics; litdata loaders, the embedded corpus, long-context tasks
+    callbacks           SparseAttentionCallback, RingTraceCallback                           Lightning
+    strategies          the shared options and mixin, the Trainer (DDP, FSDP2) and Fabric strategies
 
-Importing this package registers the strategy names ``"mtraining"`` (sparse, the paper's training setting) and
-``"mtraining_dense"`` (exact dense ring attention) with the Trainer and Fabric strategy registries (Lightning has
-no entry point for strategies).
+Everything up to ``hf`` imports without Lightning: ``import lightning_mtraining.ring`` serves torch-only users. The
+names below load on first use. Importing this package registers the strategy names ``"mtraining"`` (sparse, the
+paper's training setting), ``"mtraining_dense"`` (exact dense ring attention), ``"mtraining_fsdp"`` and
+``"mtraining_fsdp_dense"`` with the Trainer and Fabric registries, as soon as Lightning is imported (Note
+[Registering without importing Lightning] in :mod:`lightning_mtraining._registration`).
 """
 
-# --- core -------------------------------------------------------------------------------
-from lightning_mtraining import balance, ring_trace
-from lightning_mtraining.estimation import attention_recall, estimate_pattern
-from lightning_mtraining.layouts import global_positions, shard_sequence, unshard_sequence
-from lightning_mtraining.pattern import SparsityConfig, VerticalSlashPattern
-from lightning_mtraining.ring import ring_attention
-from lightning_mtraining.ring_trace import RingTrace
+from __future__ import annotations
 
-__all__ = [
-    "SparsityConfig",
-    "VerticalSlashPattern",
-    "attention_recall",
-    "balance",
-    "ring_trace",
-    "estimate_pattern",
-    "global_positions",
-    "RingTrace",
-    "ring_attention",
-    "shard_sequence",
-    "unshard_sequence",
-]
+import importlib
+from typing import Any
 
-# --- single-device sparse attention ---------------------------------------------------------
-from lightning_mtraining.sparse import sparse_attention
+from lightning_mtraining import _registration
 
-__all__ += ["sparse_attention"]
+# The public API: name -> the module that defines it.
+_API = {
+    "MTrainingStrategy": "lightning_mtraining.strategies.trainer",
+    "MTrainingFSDPStrategy": "lightning_mtraining.strategies.fsdp",
+    "MTrainingFabricStrategy": "lightning_mtraining.strategies.fabric",
+    "SparsityConfig": "lightning_mtraining.sparsity.config",
+    "VerticalSlashPattern": "lightning_mtraining.sparsity.pattern",
+    "estimate_pattern": "lightning_mtraining.sparsity.estimation",
+    "sparse_attention": "lightning_mtraining.sparsity.attention",
+    "ring_attention": "lightning_mtraining.ring.attention",
+    "shard_sequence": "lightning_mtraining.core.layouts",
+    "unshard_sequence": "lightning_mtraining.core.layouts",
+    "global_positions": "lightning_mtraining.core.layouts",
+    "apply_context_parallel": "lightning_mtraining.hf.parallel",
+    "causal_lm_loss": "lightning_mtraining.hf.losses",
+    "SparseAttentionCallback": "lightning_mtraining.callbacks.sparse_attention",
+    "RingTraceCallback": "lightning_mtraining.callbacks.ring_trace",
+}
+# Modules reachable as attributes: ``lightning_mtraining.balance.ring_work(...)``.
+_MODULES = {
+    "balance": "lightning_mtraining.sparsity.balance",
+    "ring_trace": "lightning_mtraining.ring.trace",
+}
+# Names this package exported before its split into layers; they keep working, from their layer's namespace.
+_MORE = {
+    "attention_recall": "lightning_mtraining.sparsity.estimation",
+    "RingTrace": "lightning_mtraining.ring.trace",
+    "causal_lm_targets": "lightning_mtraining.hf.losses",
+    "fused_linear_cross_entropy": "lightning_mtraining.hf.losses",
+    "ContextParallel": "lightning_mtraining.hf.parallel",
+    "apply_fsdp": "lightning_mtraining.hf.parallel",
+    "compile_decoder_layers": "lightning_mtraining.hf.compile",
+    "apply_tensor_parallel": "lightning_mtraining.hf.tensor_parallel",
+    "register_sparse_prefill": "lightning_mtraining.hf.prefill",
+    "MeshAxes": "lightning_mtraining.distributed.mesh",
+    "build_mesh": "lightning_mtraining.distributed.mesh",
+    "ContextParallelOptions": "lightning_mtraining.strategies.options",
+    "AttentionDensity": "lightning_mtraining.metrics",
+    "AttentionRecall": "lightning_mtraining.metrics",
+    "TokenPerplexity": "lightning_mtraining.metrics",
+    "TokensPerSecond": "lightning_mtraining.metrics",
+    "TokenWeightedLoss": "lightning_mtraining.metrics",
+}
 
-# --- integration --------------------------------------------------------------------------
-# Importing strategy/fabric registers "mtraining" with the Trainer and Fabric strategy registries.
-from lightning_mtraining.callback import SparseAttentionCallback
-from lightning_mtraining.fabric import MTrainingFabricStrategy
-from lightning_mtraining.hf import compile_decoder_layers
-from lightning_mtraining.losses import causal_lm_loss, causal_lm_targets, fused_linear_cross_entropy
-from lightning_mtraining.mesh import MeshAxes, build_mesh
-from lightning_mtraining.parallel import ContextParallel, apply_context_parallel, apply_fsdp
-from lightning_mtraining.strategy import MTrainingStrategy
-from lightning_mtraining.options import ContextParallelOptions
-from lightning_mtraining.strategy_fsdp import MTrainingFSDPStrategy
-from lightning_mtraining.trace_callback import RingTraceCallback
+__all__ = sorted([*_API, *_MODULES])
 
-__all__ += ["ContextParallelOptions", "MTrainingFSDPStrategy", "MTrainingFabricStrategy", "MTrainingStrategy", "SparseAttentionCallback"]
-__all__ += ["RingTraceCallback"]
-# Losses and targets for training steps that compute their own loss (right on a context-parallel shard).
-__all__ += ["causal_lm_loss", "causal_lm_targets", "fused_linear_cross_entropy"]
-__all__ += ["ContextParallel", "apply_context_parallel", "apply_fsdp"]
-# torch.compile of each decoder layer (what the strategies' compile= option does), for plain loops and configure_model
-__all__ += ["compile_decoder_layers"]
-# The N-dimensional mesh (dp_replicate x dp_shard x cp x tp) and tensor parallelism of HF decoder layers.
-from lightning_mtraining.tensor_parallel import apply_tensor_parallel
 
-__all__ += ["MeshAxes", "apply_tensor_parallel", "build_mesh"]
-# Serving: the sparse prefill for Hugging Face generate (one device).
-from lightning_mtraining.prefill import register_sparse_prefill
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    elif name in _API or name in _MORE:
+        value = getattr(importlib.import_module(_API.get(name) or _MORE[name]), name)
+    else:
+        raise AttributeError(f"module 'lightning_mtraining' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-__all__ += ["register_sparse_prefill"]
 
-# Metrics (torchmetrics). The litdata loaders stay in `lightning_mtraining.data`, NOT imported here:
-# litdata is absent from the GPU image, and `import lightning_mtraining` must work there.
-from lightning_mtraining.metrics import (
-    AttentionDensity,
-    AttentionRecall,
-    TokenPerplexity,
-    TokensPerSecond,
-    TokenWeightedLoss,
-)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API, *_MODULES, *_MORE})
 
-__all__ += ["AttentionDensity", "AttentionRecall", "TokenPerplexity", "TokensPerSecond", "TokenWeightedLoss"]
+
+_registration.install()

@@ -59,7 +59,7 @@ def token_loss_sum(logits: Tensor, target: Tensor, ignore_index: int = -100) -> 
 
     ``logits`` ``[..., V]`` and ``target`` ``[...]`` must be aligned position by position: under CP
     pass this rank's shard of the globally shifted labels (``target[t]`` is the token after
-    position ``t``; :func:`~lightning_mtraining.losses.causal_lm_targets` gives them), never a
+    position ``t``; :func:`~lightning_mtraining.hf.losses.causal_lm_targets` gives them), never a
     locally shifted one. Tokens equal to ``ignore_index`` (padding, the
     last position) do not count. Computed in float32 whatever the logits' dtype. Detached: this is
     for metrics, the differentiable loss is the model's.
@@ -232,7 +232,7 @@ class AttentionDensity(Metric):
 
 class AttentionRecall(AttentionDensity):
     """Per-layer attention recall: the share of the true attention mass the sparse pattern keeps (1.0 = nothing
-    lost), as measured by :func:`~lightning_mtraining.estimation.attention_recall` on sampled query rows.
+    lost), as measured by :func:`~lightning_mtraining.sparsity.estimation.attention_recall` on sampled query rows.
 
     Same interface as :class:`AttentionDensity` (``update(recalls, weights=None)``, ``compute()`` ``[num_layers]``,
     ``log_dict(values, prefix="recall")``); weights default to 1 per layer (a plain mean over ranks and steps).

@@ -1,4 +1,4 @@
-"""Triton kernels for vertical-slash sparse attention (installed as ``mtraining_kernels``).
+"""Triton and Gluon kernels for vertical-slash sparse attention (the import package `mtraining_kernels`).
 
 - :mod:`mtraining_kernels.indexing`: pattern / positions -> per-query-tile lists of key tiles and key columns
   (:class:`TileLists`), on the device with torch ops.
@@ -9,7 +9,7 @@
   launchers (what they share: :mod:`mtraining_kernels.triton_common`).
 - :mod:`mtraining_kernels.gluon_forward`, :mod:`mtraining_kernels.gluon_backward`: warp-specialised Gluon forward,
   dq and dk/dv for sm_90, the same pairs (shared pieces: :mod:`mtraining_kernels.gluon_common`; offline compile
-  reports: :mod:`mtraining_kernels.gluon_tooling`; all re-exported by :mod:`mtraining_kernels.gluon_hopper`);
+  reports: :mod:`mtraining_kernels.gluon_tooling`);
   ``block_forward`` / ``block_backward`` use them where they can run (``KernelConfig(forward=, dq=, dkdv=)``).
 - :mod:`mtraining_kernels.reference`: dense-masked torch references computing exactly the same pairs.
 

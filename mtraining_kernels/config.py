@@ -12,8 +12,8 @@ __all__ = ["DEFAULT_CONFIG", "KernelConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch settings of the kernels (defaults chosen on an H200 by the sweeps of
-    ``benchmarks/journal/kernels-2026-12-02.md``; the times they give: ``benchmarks/RESULTS.md``, Kernels).
+    """Launch settings of the kernels (the defaults are the fastest found on Hopper; ``benchmarks/kernel_sparse.py
+    --configs`` compares settings).
 
     Args:
         fwd_warps / bwd_warps: warps per program (None: 8 for head dim >= 64, else 4).
@@ -33,35 +33,28 @@ class KernelConfig:
         heavy_first: launch the forward / dq programs of the last query tiles first (they see the most keys
             under causality), all heads at once, so the short programs run last.
         forward: which forward kernel: "triton" (this module's), "gluon" (the warp-specialised Hopper kernel of
-            :mod:`mtraining_kernels.gluon_hopper`; an error where it cannot run), or "auto" (the default: gluon
+            :mod:`mtraining_kernels.gluon_forward`; an error where it cannot run), or "auto" (the default: gluon
             where it can run, i.e. sm_90, bf16/fp16, head dim 64/128, 128 x 128 tiles; triton elsewhere, so CPU,
-            the interpreter and other GPUs are unchanged). On an H200 the Gluon forward and dq took 5-16% off the
-            call when they came, except at 32K/2% (host-bound; ``benchmarks/journal/kernels-2026-12-03.md``,
-            "Gluon forward and dq").
+            the interpreter and other GPUs are unchanged).
         dq: which dq kernel of the backward, the same choice ("triton", "gluon" or "auto" = the default; the
-            Gluon one is :func:`mtraining_kernels.gluon_hopper.gluon_block_dq`).
+            Gluon one is :func:`mtraining_kernels.gluon_backward.gluon_block_dq`).
         dkdv: the dk/dv kernel of the key tiles, the same choice ("auto" = the default; the Gluon one is
-            :func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv`; ``benchmarks/journal/kernels-2026-12-03.md``,
-            "Gluon dk/dv").
+            :func:`mtraining_kernels.gluon_backward.gluon_block_dkdv`).
         dkdv_cols: the gathered columns' dk/dv, the same choice: "gluon" runs the Gluon dk/dv kernel over the
-            columns' dense rows (:func:`mtraining_kernels.gluon_hopper.gluon_block_dkdv_cols`; ``col_split`` parts
-            per 128-slot chunk pair), "triton" the Triton column kernel (``col_block``, ``col_sub_m``,
-            ``col_split``). On an H200 the Gluon one took 3-9% off 32K calls (CUDA-graph replays and GPU-bound
-            rows; ``benchmarks/journal/kernels-2026-12-04.md``, "Gluon column dk/dv").
+            columns' dense rows (:func:`mtraining_kernels.gluon_backward.gluon_block_dkdv_cols`; ``col_split``
+            parts per 128-slot chunk pair), "triton" the Triton column kernel (``col_block``, ``col_sub_m``,
+            ``col_split``).
         k_stages: buffers of the K ring of the Gluon forward and dq kernels (2 or 3; V keeps 2). K is freed as soon
             as a step's scores are computed, so a third buffer lets its load start one more step ahead; at head dim
-            128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have. Measured on an
-            H200 (``benchmarks/journal/kernels-2026-12-04.md``, "K freed early in the forward"): 3 is 4% slower at
-            128K/20% and equal elsewhere, so the default is 2; the results are bit-identical either way.
+            128 the kernels then use 231,384 of the 232,448 bytes of shared memory a block may have, and 3 is no
+            faster, so the default is 2; the results are bit-identical either way.
         item_order: the order in which the persistent Gluon kernels' programs take their work items (heaviest
             first): "snake" (every other wave of items walked backwards, so the program that took one wave's
             heaviest item takes the next wave's lightest), "strided" (program p takes items p, p + P, p + 2P, ...:
             the first order) or "auto" (the default: snake for the dk/dv kernel of the key tiles, strided for the
-            forward, dq and column dk/dv kernels). On an H200 the strided order gave one dk/dv program the heaviest
-            item of every wave (its SMs were busy 88% of its time at 128K/20%); the snake order made dk/dv 5%
-            faster and dq 6-8% slower at 128K (``benchmarks/journal/kernels-2026-12-04.md``, "dk/dv load
-            imbalance found" and "snake item order for dk/dv"), whose items are ~16x smaller, so "auto" takes
-            it only where it pays. Results are bit-identical in every order.
+            forward, dq and column dk/dv kernels). The strided order gives one dk/dv program the heaviest item of
+            every wave, which the snake order levels; the other kernels' items are much smaller and run faster
+            strided. Results are bit-identical in every order.
     """
 
     fwd_warps: int | None = None

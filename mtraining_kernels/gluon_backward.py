@@ -83,8 +83,7 @@ if HAS_GLUON:
                      SNAKE: gl.constexpr):
         """dq of 64 query rows: per step S = Q K^T and dP = dO V^T, dS = P (dP - delta), dq += dS K, the last one
         issued at the start of the next step, ahead of that step's S; the step's dP is issued once it has retired
-        (with all four in registers ptxas serialised every wgmma at D=128, 7-11% slower at 128K;
-        ``benchmarks/journal/kernels-2026-12-04.md``, "dq no longer serialised")."""
+        (with all four in registers ptxas serialises every wgmma at D=128)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -498,9 +497,7 @@ def gluon_block_dkdv(
     tile of its list ``tiles.bwd_idx`` walked 64 rows at a time. One program writes each dk/dv row (deterministic), into
     ``dk`` / ``dv`` when given (contiguous, k's shape; any float dtype), else new ``grad_dtype`` tensors. ``cache``: as
     in :func:`mtraining_kernels.gluon_forward.gluon_block_forward` (the Q and dO descriptors of the dq kernel are
-    reused). The default on sm_90
-    (``KernelConfig.dkdv="auto"``); GPU checks and timing: ``benchmarks/RESULTS.md``, Kernels, and
-    ``benchmarks/journal/kernels-2026-12-03.md``, "Gluon dk/dv"."""
+    reused). The default on sm_90 (``KernelConfig.dkdv="auto"``)."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv", q, k, v, dout, lse2, delta, q_pos,
                                                                 k_pos, tiles)
     B, H, Sq, D = q.shape

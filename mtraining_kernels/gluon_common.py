@@ -57,10 +57,9 @@ if HAS_GLUON:
     def _item(i, pid, nprog, SNAKE: gl.constexpr):
         """The work item of program ``pid``'s ``i``-th iteration: waves of ``nprog`` items, every other wave walked
         backwards. Work items come heaviest first, so a program that took a wave's heaviest item takes the next
-        wave's lightest. The plain stride (item ``pid + i * nprog``) gave one program the heaviest item of every
-        wave: at 128K/20% the dk/dv kernel's items (one key tile, 8 query heads) differ by up to ~3,300 steps,
-        and its SMs were busy 88% of the kernel (ncu on an H200;
-        ``benchmarks/journal/kernels-2026-12-04.md``, "dk/dv load imbalance found")."""
+        wave's lightest. The plain stride (item ``pid + i * nprog``) gives one program the heaviest item of every
+        wave, and the dk/dv kernel's items (one key tile, every query head of its group) differ by thousands of
+        steps."""
         if SNAKE:
             w = i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
         else:  # KernelConfig(item_order="strided"): the only order before the snake order was added
@@ -210,9 +209,8 @@ if HAS_GLUON:
 def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | None = None):
     """A host TMA descriptor of the contiguous ``t`` seen as ``[-1, D]`` rows, loaded ``rows`` at a time.
 
-    Built without the dataclass's ``__post_init__`` checks (a descriptor built through the dataclass cost 9.9 us of
-    host time on the H200 machine's CPU, ~15 per fwd+bwd: ``benchmarks/journal/kernels-2026-12-04.md``,
-    "host cost of the eager call cut"; the saving itself was not timed): what they check holds by construction here
+    Built without the dataclass's ``__post_init__`` checks (microseconds of host time per descriptor, about 15 per
+    fwd+bwd): what they check holds by construction here
     (contiguous bf16/fp16 rows of a power-of-two D >= 64, so 16-byte strides, an NVMMA layout, a valid block) except
     the base address, checked below. With a ``cache`` (one dict per forward+backward), the descriptor of tensor
     ``name`` is built once and reused."""
@@ -280,9 +278,8 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     last with a bit set.
 
     ``use_kernel`` (default: on CUDA) does it in one Triton launch (``_gather_columns_kernel``); otherwise ~15
-    torch ops, the reference the kernel is tested against. Those ops' host time (0.48 ms per call at 32K / 2%,
-    twice per fwd+bwd) showed in the call's time (``benchmarks/journal/kernels-2026-12-03.md``, "Gluon forward
-    and dq"), hence the kernel."""
+    torch ops, the reference the kernel is tested against. Those ops' host time would show in short calls, hence
+    the kernel."""
     B, Hkv, _, D = k.shape
     ci = tiles.col_idx
     NC = ci.shape[-1]
@@ -358,8 +355,8 @@ def _snake(item_order: str) -> bool:
     """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards: the
     default of :func:`mtraining_kernels.gluon_backward.gluon_block_dkdv`) or "strided" (program p runs items p,
     p + P, p + 2P, ...: the default of the others). These defaults are ``KernelConfig(item_order="auto")``'s
-    choice: snake made dk/dv 5% faster and dq 6-8% slower at 128K on an H200
-    (``benchmarks/journal/kernels-2026-12-04.md``, "snake item order for dk/dv")."""
+    choice: snake levels the dk/dv kernel's heavy work items; the dq kernel's items are much smaller, and there the
+    plain stride is faster."""
     if item_order not in ("snake", "strided"):
         raise ValueError(f"gluon kernels: item_order={item_order!r}; expected 'snake' or 'strided'")
     return item_order == "snake"

@@ -1,9 +1,8 @@
 """An FA3-style forward of the vertical-slash kernel in Gluon (Triton 3.6), Hopper (sm_90) only.
 
-Why: the Triton forward runs each step's two matmuls and its softmax one after the other in every warp (ncu:
-tensor pipe 46% busy at 128K/20%, 25% at 32K/2% on an H200; the hardware counters of
-``benchmarks/journal/kernels-2026-12-03.md``, "five launch options"), and each program's load-Q / first-tile /
-store chain is serial with the next program's on the SM. This kernel is scheduled by hand:
+Why: the Triton forward runs each step's two matmuls and its softmax one after the other in every warp (the tensor
+pipe is idle much of the time), and each program's load-Q / first-tile / store chain is serial with the next
+program's on the SM. This kernel is scheduled by hand:
 
 - one program per SM (persistent), walking the (query tile, batch * head) work items heaviest first;
 - a producer partition (the default warpgroup, 24 registers per thread) issues TMA loads of the next work items'
@@ -12,9 +11,8 @@ store chain is serial with the next program's on the SM. This kernel is schedule
   so loads run ahead of the math across work items; for every masked step it also writes the step's key
   positions into shared memory (a gathered column the query tile did not select gets a position no query sees),
   so the consumers mask by one compare. The consumers free a K buffer (and its positions) as soon as the step's
-  scores are computed, and a V buffer after P V: with one barrier for both, the next load into a buffer waited
-  for P V and the consumers then waited for K on every step (10-12% of the forward at 128K on an H200;
-  ``benchmarks/journal/kernels-2026-12-04.md``, "K freed early in the forward");
+  scores are computed, and a V buffer after P V (with one barrier for both, the next load into a buffer would wait
+  for P V and the consumers then wait for K on every step);
 - two consumer partitions (warpgroups, 240 registers per thread), each owning 64 of the 128 query rows, share
   the K/V buffers; within a consumer, the QK^T of step j is issued before step j-1's PV has finished
   (``warpgroup_mma`` is asynchronous): the softmax of step j runs while the tensor cores do PV of step j-1.

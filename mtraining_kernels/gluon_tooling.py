@@ -1,8 +1,8 @@
 """Tooling for the Gluon (sm_90) kernels, apart from the kernels: compile them for sm_90 without a GPU
 (:func:`install_offline_sm90_target`), report a compiled kernel's resources (:func:`compile_report`: shared memory,
 ``setmaxnreg`` counts, wgmma instructions, registers / stack per thread), and ptxas's note when it serialised the
-wgmma instructions (:func:`wgmma_serialization_note`). Used by ``tests/test_gluon_hopper.py``,
-``tests/test_launch.py`` and the benchmarks (``benchmarks/kernel_sparse.py``, ``benchmarks/gluon_probe.py``).
+wgmma instructions (:func:`wgmma_serialization_note`). Used by ``tests/unit/test_gluon_kernels.py``,
+``tests/unit/test_launch.py`` and the benchmarks (``benchmarks/kernel_sparse.py``, ``benchmarks/gluon_probe.py``).
 """
 
 from __future__ import annotations
@@ -97,9 +97,8 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
 
 def wgmma_serialization_note(ptx: str) -> str | None:
     """What ``ptxas -v`` (Triton's bundled one, sm_90a) says when it serialised the wgmma instructions of ``ptx``
-    (waits for every wgmma right after issuing it, so nothing overlaps the tensor cores in the warpgroup: the
-    Gluon dq kernel's D=128 build was so, and 7-11% slower at 128K, until fixed:
-    ``benchmarks/journal/kernels-2026-12-04.md``, "dq no longer serialised"); None when it did not."""
+    (waits for every wgmma right after issuing it, so nothing overlaps the tensor cores in the warpgroup); None when
+    it did not."""
     import os
     import subprocess
     import tempfile

@@ -39,10 +39,9 @@ valid slash offsets of that head. Tile (query tile m, key tile t) has offset u =
 
 Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
-are int32; one host sync reads the list width L and the gathered-column count. Measured on an H200 at 128K
-(16 heads, ~1100 verticals): Triton builder 0.24-0.56 ms, torch builder 1.8-3.5 ms (~190 small ops; launch-bound),
-``benchmarks/journal/kernels-2026-12-02.md``, "Triton list builder"; the current figures: ``benchmarks/RESULTS.md``,
-Kernels (``idx ms``).
+are int32; one host sync reads the list width L and the gathered-column count. On CUDA the Triton builder
+(:mod:`mtraining_kernels.list_builder`) makes the same lists in one launch; the torch builder's ~190 small ops are
+launch-bound there (``benchmarks/list_builder_bench.py`` compares them).
 """
 
 from __future__ import annotations
@@ -51,52 +50,13 @@ import dataclasses
 
 import torch
 
+from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists
+
 __all__ = [
     "COL_CHUNK", "PatternTiles", "TileLists", "check_tile_aligned", "computed_tile_offsets", "dense_tile_lists",
     "expand_pattern", "lists_have_work", "pattern_tile_lists", "prepare_pattern_tiles", "step_tile_lists",
     "step_tile_lists_batched",
 ]
-
-COL_CHUNK = 64  # gathered columns per kernel step; one int64 of bits per (query tile, chunk)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileLists:
-    """Per-query-tile work lists for one (q, k) block pair; see the module docstring for the exact meaning."""
-
-    block_m: int
-    block_n: int
-    fwd_idx: torch.Tensor  # [B', H', Mq, Lf] int32 key tiles (masked ones first)
-    fwd_cnt: torch.Tensor  # [B', H', Mq] int32
-    fwd_nmask: torch.Tensor  # [B', H', Mq] int32
-    bwd_idx: torch.Tensor  # [B', H', Nk, Lb] int32 query tiles (masked ones first)
-    bwd_cnt: torch.Tensor  # [B', H', Nk] int32
-    bwd_nmask: torch.Tensor  # [B', H', Nk] int32
-    col_idx: torch.Tensor | None = None  # [B', H', NC] int32 key indices (padding: 0 with bit unset)
-    col_bits: torch.Tensor | None = None  # [B', H', Mq, NC // COL_CHUNK] int64
-
-    @property
-    def num_q_tiles(self) -> int:
-        return self.fwd_idx.shape[2]
-
-    @property
-    def num_k_tiles(self) -> int:
-        return self.bwd_idx.shape[2]
-
-    def tile_pairs(self) -> torch.Tensor:
-        """Number of computed (query tile, key tile) pairs per [B', H'] (for FLOP counts)."""
-        return self.fwd_cnt.sum(-1)
-
-    def gathered_columns(self) -> torch.Tensor:
-        """Number of gathered (query tile, column) pairs per [B', H'] (each costs block_m query rows)."""
-        if self.col_bits is None:
-            return torch.zeros_like(self.fwd_cnt[..., 0])
-        bits = self.col_bits
-        count = torch.zeros(bits.shape, dtype=torch.int64, device=bits.device)
-        for i in range(COL_CHUNK):  # popcount, 64 cheap passes over a small tensor
-            count += (bits >> i) & 1
-        return count.sum((-1, -2))
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -305,21 +265,6 @@ def pattern_tile_lists(
 # --------------------------------------------------------------------------------------------------------------
 # lists for one ring step: my query shard against the key chunk of another rank
 # --------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PatternTiles:
-    """A global pattern prepared for per-step lists (built once per layer, one host sync).
-
-    Per ``[B, H]`` row: ``offsets`` the ascending computed tile offsets u >= 0 (global tile diagonals, see the module
-    docstring, square tiles of ``tile``), ``verticals`` the sorted unique vertical positions; both padded with
-    ``big`` (larger than any entry).
-    """
-
-    tile: int
-    offsets: torch.Tensor  # [B, H, L] int64
-    verticals: torch.Tensor  # [B, H, NV] int64
-    big: int
 
 
 def prepare_pattern_tiles(vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, tile: int) -> PatternTiles:

@@ -1,12 +1,9 @@
 """Repeat launches of a Triton / Gluon JIT kernel without the JIT's per-call argument binding.
 
-Why: at 32K tokens and 2% density one forward+backward is ~2 ms of GPU work spread over ~10 kernel launches, and
-the host's cost of enqueueing them decides the eager call's time (on the H200 machines, before this module: 42-66%
-of FlexAttention's rate eager against 72% from a CUDA graph; ``benchmarks/journal/kernels-2026-12-03.md``, "CUDA
-graphs, where the host time goes"). ``kernel[grid](*args)`` binds and specialises every argument (~20 us for ~45
-arguments on the H200 machine's host) and looks the compiled kernel up before it launches; launching the compiled
-kernel directly costs ~24 us against ~62 us through the JIT for the Gluon forward (host probe,
-``benchmarks/journal/kernels-2026-12-04.md``, "host cost of the eager call cut").
+Why: at 32K tokens and 2% density one forward+backward is ~2 ms of GPU work spread over ~10 kernel launches, so the
+host's cost of enqueueing them decides the eager call's time. ``kernel[grid](*args)`` binds and specialises every
+argument (tens of microseconds for ~45 arguments) and looks the compiled kernel up before it launches; launching the
+compiled kernel directly skips that work.
 
 :class:`Launcher` keeps, per JIT function, the compiled kernels it has launched, under a key that captures
 everything the JIT specialises on (Triton 3.6, ``native_specialize_impl``):
@@ -19,7 +16,7 @@ everything the JIT specialises on (Triton 3.6, ``native_specialize_impl``):
 
 The first call with a key goes through the JIT (which compiles if needed) and records the kernel it returns; later
 calls with the same key launch that kernel directly. With a launch hook installed (a profiler such as Proton), every
-call goes through the JIT, so the hook sees it. ``tests/test_launch.py`` checks against the JIT itself that equal
+call goes through the JIT, so the hook sees it. ``tests/unit/test_launch.py`` checks against the JIT itself that equal
 keys never map to different compiled kernels.
 """
 

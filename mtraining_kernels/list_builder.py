@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.indexing import COL_CHUNK, PatternTiles, TileLists
+from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists
 
 __all__ = ["pattern_tile_lists_triton", "step_tile_lists_batched_triton", "step_tile_lists_triton"]
 

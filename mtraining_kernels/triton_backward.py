@@ -15,11 +15,10 @@ no atomics, bit-identical across runs.
   parts; it writes partials [P, G, B, Hkv, NC, D], summed over the parts (one torch sum, fixed order), and one
   epilogue launch (``_dkdv_cols_epilogue_kernel``: one program per 32 key rows of a KV head) adds them into float32
   dk/dv in a fixed order (the query heads of the group; a head's columns are unique, padding slots add exact zeros)
-  and casts the result. Those two launches replaced ~16 torch ops (index arithmetic, one ``index_add_`` per query
-  head, a cast) whose host time showed at 32K (``benchmarks/journal/kernels-2026-12-04.md``, "host cost of the
-  eager call cut").
+  and casts the result: two launches instead of a dozen torch ops (index arithmetic, one ``index_add_`` per query
+  head, a cast), whose host time would show in short calls.
 
-The alternatives measured and not kept, and the options kept: :mod:`mtraining_kernels.vertical_slash`.
+The design choices and the options: :mod:`mtraining_kernels.vertical_slash`.
 """
 
 from __future__ import annotations
@@ -377,8 +376,8 @@ def _dkdv_cols_epilogue_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-# the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch; host time decides
-# short calls such as 32K at 2%: benchmarks/journal/kernels-2026-12-04.md, "host cost of the eager call cut")
+# the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch): host time decides short,
+# very sparse calls
 _LAUNCH_PRE, _LAUNCH_DQ, _LAUNCH_DKDV, _LAUNCH_COLS, _LAUNCH_EPI = (
     Launcher(fn) for fn in (_bwd_preprocess_kernel, _vs_bwd_dq_kernel, _vs_bwd_dkdv_kernel, _vs_bwd_dkdv_cols_kernel,
                             _dkdv_cols_epilogue_kernel))
@@ -476,10 +475,9 @@ def add_column_grads(dkv: torch.Tensor, dkvc: torch.Tensor, col_idx: torch.Tenso
     columns ``col_idx`` of the lists. ``dkv`` is updated in place (and returned when ``grad_dtype`` is float32)."""
     P, G, _, B, Hkv, NC, D = dkvc.shape
     Sk = dkv.shape[3]
-    # the parts summed in a fixed order (torch: parallel over the slots; a first version summed them inside the
-    # epilogue, which made the program holding the sink columns a 1-3 ms tail: H200,
-    # benchmarks/journal/kernels-2026-12-04.md, "host cost of the eager call cut"), then one launch adds the
-    # partials into dkv (float32, in place) and writes the result in the grads' dtype
+    # the parts summed in a fixed order (torch: parallel over the slots; summed inside the epilogue, the program
+    # holding the sink columns would be a long tail), then one launch adds the partials into dkv (float32, in place)
+    # and writes the result in the grads' dtype
     part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]
     res = dkv if grad_dtype == torch.float32 else torch.empty(2, B, Hkv, Sk, D, dtype=grad_dtype, device=dkv.device)
     _LAUNCH_EPI((triton.cdiv(Sk, 32), B * Hkv),

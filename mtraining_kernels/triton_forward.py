@@ -12,7 +12,7 @@ pairs (no branch on the bits, so the loads pipeline). Writes out (q.dtype, or th
 and the natural-log ``lse`` (float32). With a running ``(out, lse)`` given, the block result is merged into it by
 log-sum-exp inside the kernel (in place), for ring use.
 
-The alternatives measured and not kept, and the options kept: :mod:`mtraining_kernels.vertical_slash`.
+The design choices and the options: :mod:`mtraining_kernels.vertical_slash`.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def _vs_fwd_kernel(
     tl.store(lse_ptrs, lse.to(Lse.dtype.element_ty), mask=row_ok)
 
 
-# the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch; host time decides
-# short calls such as 32K at 2%: benchmarks/journal/kernels-2026-12-04.md, "host cost of the eager call cut")
+# the JIT's per-call argument binding skipped on repeat launches (mtraining_kernels.launch): host time decides short,
+# very sparse calls
 _LAUNCH_FWD = Launcher(_vs_fwd_kernel)
 
 

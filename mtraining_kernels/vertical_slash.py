@@ -12,21 +12,14 @@ This module is the public entry point and the dispatch: the input checks, which 
 - :mod:`mtraining_kernels.triton_forward`, :mod:`mtraining_kernels.triton_backward`: the Triton kernels (their
   algorithm is in those modules' docstrings); :mod:`mtraining_kernels.triton_common`: what the two share.
 - :mod:`mtraining_kernels.gluon_forward`, :mod:`mtraining_kernels.gluon_backward`: the warp-specialised Gluon
-  kernels for sm_90, the same pairs (:mod:`mtraining_kernels.gluon_hopper` re-exports them).
+  kernels for sm_90, the same pairs.
 - :mod:`mtraining_kernels.config`: :class:`KernelConfig` (re-exported here).
 
-The Triton kernels' measured alternatives, not kept (``benchmarks/journal/kernels-2026-12-02.md``, "flat loops" and
-"Triton list builder, branchless column loops"; ``kernels-2026-12-03.md``, "heaviest query tiles first" and "five
-launch options"): dq accumulated inside the dk/dv kernels with float32 atomic adds or TMA reduce-adds (5 matmuls per
-tile pair instead of 7) was 2-16% slower end to end on an H200; 128-slot forward/dq steps were 0.5-11% slower
-(spills); 64-slot column dk/dv programs made the whole call 12-23% slower than 128-slot ones (separate runs); ONE
-forward/dq loop over tiles and columns (every step masked and gathered) was 10-78% slower in the forward; one masked
-loop over the tiles (+21% per tile), the list scalars loaded before Q, delta computed in the dq kernel, persistent
-grids and dk/dv on a second stream concurrent with dq gave nothing or lost. Kept as options, not defaults:
-forward/dq programs of 64 rows and 4 warps (``KernelConfig.q_rows``, ``dq_warps``; 2 programs per SM), with 64-key
-steps, are 2-4% faster at 32K for 2-5% density, within 1.3% at 32K/10% and 128K/2%, and 3-7% slower at 32K/20% and
-128K/5-20%. Default: the heaviest query tiles are launched first (``KernelConfig.heavy_first``: 2-3.4% faster at
-128K/20%, 1-1.5% slower at 128K/5-10%, neutral at 32K; kept for the densest, slowest calls).
+Design choices of the Triton kernels: dq has a kernel of its own (no atomic or reduce-add accumulation inside the
+dk/dv kernels, which also keeps the backward deterministic); the forward and dq walk the key tiles and the gathered
+columns in two loops (only the first ``fwd_nmask`` tiles are masked); the heaviest query tiles are launched first
+(``KernelConfig.heavy_first``). Smaller programs (``KernelConfig.q_rows``, ``dq_warps``) are options for short, very
+sparse calls.
 
 Computed pairs: exactly those described by the lists (see :mod:`mtraining_kernels.indexing`), intersected with
 ``k_pos <= q_pos`` - the lists promise that the unmasked tiles hold only allowed pairs. Rows with no computed
@@ -264,7 +257,7 @@ def block_backward(
 
 
 def _attention_range():
-    """``mtraining::attention`` (``lightning_mtraining._profiling``) while a profiler runs, else nothing."""
+    """``mtraining::attention`` (``lightning_mtraining.core.profiling``) while a profiler runs, else nothing."""
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function("mtraining::attention")
     return contextlib.nullcontext()
@@ -283,10 +276,8 @@ class _VerticalSlashAttention(torch.autograd.Function):
         # The forward's cache is not kept for the backward: its TMA descriptors hold views of q, k and v (and it
         # holds the gathered columns), and a node's attributes live until its backward. Under activation
         # checkpointing, whose saved-tensor hooks drop q, k, v and out, the cache alone would keep every layer's
-        # q, k and v alive through the forward: 0.31 GiB a layer at 64K tokens for the Qwen2.5-3B shape, 11.3 GiB
-        # over 36 layers (computed), against a measured 14.0 GiB more peak memory for the sparse than the dense
-        # Trainer path at 64K (benchmarks/journal/train-throughput-2026-12-06.md, the table before this change;
-        # since, the sparse step's peak equals the dense one's: benchmarks/RESULTS.md "Training throughput"). The
+        # q, k and v alive through the forward (0.31 GiB a layer at 64K tokens for the Qwen2.5-3B shape, 11 GiB over
+        # 36 layers), so the sparse step's peak memory would exceed the dense one's. The
         # recomputed tensors have other addresses, so the descriptors would not be reused
         # anyway; the backward rebuilds them (host microseconds) and gathers the columns again (one small kernel).
         ctx.tiles, ctx.scale, ctx.config, ctx.cache, ctx.softcap = tiles, scale, config, {}, softcap
@@ -328,7 +319,7 @@ def vertical_slash_attention(
 
 
 class TritonBlockOp:
-    """The ring's per-block op protocol (``lightning_mtraining.attention_ops``) on the Triton kernels.
+    """The ring's per-block op protocol (``lightning_mtraining.ring.block_ops``) on the Triton kernels.
 
     ``forward`` returns (out in q.dtype, lse float32); ``backward`` takes the FINAL merged (out, lse) and returns
     float32 (dq, dk, dv). With ``tiles=`` (a sparse ring step's lists, T x T tiles) the kernels compute exactly those

@@ -22,8 +22,8 @@ assert transformers.__version__ == "5.0.0", transformers.__version__
 print("oldest supported transformers:", transformers.__version__, "from", transformers.__file__)
 EOF
 PYTHONPATH="$PWD/$OLDEST${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m pytest -q -p no:cacheprovider \
-  tests/test_hf.py tests/test_fused_loss_models.py tests/test_variant_models.py \
-  "tests/test_packed_documents.py::test_packed_batch_trains_like_its_documents_one_by_one" \
-  "tests/test_packed_documents.py::test_documents_matter_for_the_model" \
-  "tests/test_packed_documents.py::test_one_device_packed_inputs_that_transformers_would_ignore_are_clear_errors" \
-  "tests/test_packed_documents.py::test_document_starts_follow_transformers_rule" "$@"
+  tests/unit/test_hf.py tests/unit/test_fused_loss_models.py tests/distributed/test_variant_models.py \
+  "tests/distributed/test_packed_documents.py::test_packed_batch_trains_like_its_documents_one_by_one" \
+  "tests/distributed/test_packed_documents.py::test_documents_matter_for_the_model" \
+  "tests/distributed/test_packed_documents.py::test_one_device_packed_inputs_that_transformers_would_ignore_are_clear_errors" \
+  "tests/distributed/test_packed_documents.py::test_document_starts_follow_transformers_rule" "$@"

@@ -1,0 +1,194 @@
+"""Ring attention as a Hugging Face ``AttentionInterface`` function (registered as ``"mtraining_ring"``).
+
+Every attention module of a prepared model (:mod:`.model`) carries a :class:`RingAttentionConfig`; the function reads
+it, decides with the attention schedule (:mod:`lightning_mtraining.sparsity.schedule`) whether the layer runs sparse
+now, estimates the layer's pattern once per forward and calls the ring: eagerly
+:func:`~lightning_mtraining.ring.attention.ring_attention`, while compiling the custom ops
+(:mod:`lightning_mtraining.ring.dense_op`, :mod:`lightning_mtraining.ring.sparse_op`). The name has no "flash" in it:
+transformers would try to fetch such a name as a hub kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mtraining.distributed.plan import ContextParallelPlan
+from lightning_mtraining.ring.attention import ring_attention
+from lightning_mtraining.ring.dense_op import dense_ring_attention
+from lightning_mtraining.ring.setup import resolve_pattern
+from lightning_mtraining.ring.sparse_op import estimate_pattern_op, sparse_ring_attention
+from lightning_mtraining.sparsity.estimation import attention_recall
+
+__all__ = ["ATTENTION_NAME", "CONFIG_ATTR", "RingAttentionConfig", "attention_dropout_fields", "register_attention",
+           "ring_attention_forward"]
+
+ATTENTION_NAME = "mtraining_ring"
+CONFIG_ATTR = "_mtraining_ring"
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAttentionConfig:
+    """What one attention module passes to :func:`~lightning_mtraining.ring.attention.ring_attention`."""
+
+    group: dist.ProcessGroup | None
+    cp_size: int
+    layout: str
+    block_size: int
+    sparsity: Any = None
+    inner_group: dist.ProcessGroup | None = None
+    outer_group: dist.ProcessGroup | None = None
+    plan: ContextParallelPlan | None = None  # the shared plan: the current batch and the attention schedule
+    # ``[plan.uid, layer_idx]`` on the CPU: the layer's key for the estimate op's pattern reuse (ring.sparse_op); a
+    # tensor, so the compiled layers' graphs do not differ by a constant and compile once
+    layer_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+
+
+def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling, as_op: bool = False) -> Any:
+    """What this layer's ring attention runs now: None (dense) or the forward's ``VerticalSlashPattern``; with
+    ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
+
+    Sparse per the schedule (:mod:`lightning_mtraining.sparsity.schedule`): the layer's config, dense layers, the dense
+    warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
+    to estimate from). One estimate per layer and forward (Note [One pattern per forward]), compiled or not: eager,
+    the schedule keeps the pattern for a checkpointed layer's recompute; compiled, the estimate op returns it again
+    (:mod:`lightning_mtraining.ring.sparse_op`).
+    """
+    plan = cfg.plan
+    schedule = plan.schedule if plan is not None else None
+    layer_idx = getattr(module, "layer_idx", None)
+    if schedule is None:
+        sparsity = cfg.sparsity
+    elif as_op and layer_idx in plan.layer_configs:  # decided when the forward began (no step count in the graph)
+        sparsity = plan.layer_configs[layer_idx]
+    else:
+        sparsity = schedule.config_for(layer_idx)
+    if sparsity is None:
+        return None
+    n_total = query.shape[2] * cfg.cp_size
+    current = plan.current if plan is not None else None
+    lengths = list(current.lengths) if current is not None and current.lengths else [n_total] * query.shape[0]
+    if min(lengths) < sparsity.last_q:
+        return None
+
+    doc_start = current.doc_start if current is not None else None
+
+    def estimate():
+        if as_op:
+            reuse = None if plan is None or cfg.layer_key is None else (plan.forward_id, cfg.layer_key)
+            return (*estimate_pattern_op(query, key, sparsity, group=cfg.group, layout=cfg.layout,
+                                         block_size=cfg.block_size, seq_len=lengths, scale=scaling,
+                                         layer_idx=layer_idx, doc_start=doc_start, reuse=reuse), sparsity.tile_size)
+        return resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
+                               block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
+                               doc_start=doc_start)
+
+    if schedule is None or as_op:
+        # compiled: the estimate op itself returns the forward's pattern again (by plan.forward_id) when a
+        # checkpointed layer recomputes, so the forward and its recompute run one graph that saves the same tensors
+        # (non-reentrant checkpointing checks that); the schedule's cache would make the recompute another graph
+        return estimate()
+    pattern, new = schedule.pattern_for(layer_idx, estimate)
+    if new and schedule.measuring:
+        recall = None
+        if schedule.measuring_recall:
+            recall = attention_recall(query, key, pattern, rows=schedule.recall_rows, group=cfg.group,
+                                      layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling,
+                                      doc_start=doc_start)
+        schedule.record(layer_idx, pattern, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
+                        plan.inner_size, recall)
+    return pattern
+
+
+def ring_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function: query ``[B, H, L, D]``, key/value ``[B, Hkv, L, D]`` -> ``[B, L, H, D]``."""
+    cfg: RingAttentionConfig | None = getattr(module, CONFIG_ATTR, None)
+    name = type(module).__name__
+    if cfg is None:
+        raise RuntimeError(
+            f"{name} uses attn_implementation={ATTENTION_NAME!r} but was not prepared for it; train with "
+            "MTrainingStrategy / MTrainingFabricStrategy, or call lightning_mtraining.hf.model.prepare_model(model, plan)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{name} received an attention mask of shape {tuple(attention_mask.shape)}: custom attention masks are "
+            "not supported by ring attention (only causal attention with right padding, handled by the strategy)"
+        )
+    if dropout:
+        fields = attention_dropout_fields(getattr(module, "config", None))
+        where = ", ".join(f"config.{k}={v}" for k, v in fields.items()) or f"dropout={dropout}"
+        raise ValueError(f"{name}: attention dropout ({where}) is not supported by ring attention; set it to 0.0")
+    # Sliding-window layers (Gemma 2/3, Mistral, Qwen2 with use_sliding_window) pass their window, Gemma 2 its
+    # score soft-cap; both are computed exactly by the ring (a window layer runs its band densely).
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{name}: learned attention sinks (s_aux, gpt-oss's `sinks`) are not supported by ring "
+                         "attention")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{name} is not causal; ring attention only computes causal attention")
+    # Under autocast (precision="bf16-mixed") RoPE returns float32 q/k while v is bfloat16: run attention in
+    # the autocast dtype, as SDPA would; otherwise in the query's dtype.
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    try:
+        out = _ring(module, cfg, query, key, value, scaling, window, softcap)
+    except ValueError as err:  # name the layer: the ring's own messages do not know it
+        raise ValueError(f"{name} (layer {getattr(module, 'layer_idx', '?')}): {err}") from None
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
+    # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its graph.
+    # Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
+    # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward
+    # reuses the forward's per-step lists (the sparse op's backward rebuilds them, see ring.sparse_op)
+    compiling = torch.compiler.is_compiling()
+    pattern = None if window is not None else _layer_pattern(module, cfg, query, key, scaling, as_op=compiling)
+    doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
+    args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
+                outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)
+    if pattern is None and (cfg.cp_size > 1 or compiling):
+        return dense_ring_attention(query, key, value, window=window, **args)
+    if compiling:
+        vertical_idx, slash_idx, tile_size = pattern
+        return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size, **args)
+    return ring_attention(query, key, value, sparsity=pattern, window=window, **args)
+
+
+def register_attention() -> None:
+    """Register :func:`ring_attention_forward` as ``"mtraining_ring"`` with ``transformers`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ring_attention_forward)
+
+
+def attention_dropout_fields(config: Any) -> dict[str, float]:
+    """Non-zero attention-dropout fields of a config, by name: ``attention_dropout`` (Llama, Qwen2, ...),
+    ``attn_pdrop`` (GPT-2), ``attention_probs_dropout_prob`` (BERT-style), ... Residual and embedding dropout
+    act on single tokens and are fine under context parallelism."""
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    return {
+        key: value
+        for key, value in config.to_dict().items()
+        if "drop" in key and ("attn" in key or "attention" in key)
+        and isinstance(value, (int, float)) and not isinstance(value, bool) and value
+    }

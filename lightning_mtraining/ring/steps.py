@@ -1,0 +1,169 @@
+"""What each ring step computes: the per-step tile lists under a sparse pattern, the steps that compute nothing
+(outside every sliding window, or holding no key of any packed document), and the forward and backward of one step,
+which the real ring (:mod:`.walk`) and the simulated ring (:mod:`.simulated`) share, so both have the same numerics.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, S local (per-rank) sequence length, D head dim.
+``kv_chunk`` is K and V packed as one tensor ``[2, B, Hkv, S, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_mtraining.core.numerics import acc_dtype
+from lightning_mtraining.core.profiling import ATTENTION, LISTS, profiled
+from lightning_mtraining.ring.block_ops import BlockAttentionOp, merge_attention
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+from mtraining_kernels.indexing import (
+    TileLists,
+    lists_have_work,
+    prepare_pattern_tiles,
+    step_tile_lists,
+    step_tile_lists_batched,
+)
+
+__all__ = ["StepLists", "attention_variant", "backward_step", "build_step_lists", "document_skips", "forward_step",
+           "lists_for_step", "merge_skips", "window_skips"]
+
+
+class StepLists:
+    """What each ring step computes under a sparse pattern: the tile lists per source CP rank (None: dense ring).
+
+    ``lists[src]`` are this rank's queries against rank ``src``'s key chunk (:func:`step_tile_lists`), built once per
+    layer in the forward and reused by the backward; ``skip[src]`` is True when they hold no pair at all, and the
+    step then computes nothing (its K/V still travel on, for the ranks after it).
+
+    Gathered verticals (Note [Gathered verticals]): ``vert_pos`` are the pattern's vertical key positions (the union
+    over batch rows and heads), ``gathered`` the column-only lists of this rank's queries against them, and
+    ``owned`` (this rank's local indices of them, which of them it owns); the per-step lists then hold tiles only.
+    """
+
+    def __init__(self, lists: dict[int, TileLists], skip: dict[int, bool], vert_pos: torch.Tensor | None = None,
+                 gathered: TileLists | None = None, gathered_skip: bool = True,
+                 owned: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.lists, self.skip = lists, skip
+        self.vert_pos, self.gathered, self.gathered_skip, self.owned = vert_pos, gathered, gathered_skip, owned
+
+    def for_source(self, src: int) -> tuple[TileLists | None, bool]:
+        return self.lists.get(src), self.skip.get(src, False)
+
+
+@profiled(ATTENTION)
+def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: float, tiles=None, skip=False,
+                 variant: dict | None = None):
+    """One ring step of the forward: attend to ``kv_chunk`` and merge into ``state = (out, lse)`` (or start it).
+
+    ``tiles``: the step's sparse lists (None: dense causal); ``skip``: the step has no allowed pair, nothing runs;
+    ``variant``: the op's ``window=`` / ``softcap=`` keywords (:func:`attention_variant`).
+    Shared by the real ring and :mod:`lightning_mtraining.ring.simulated`, so both have the same numerics.
+    """
+    adt = acc_dtype(q.dtype)
+    if skip:
+        if state is None:
+            return (torch.zeros(q.shape, dtype=adt, device=q.device),
+                    torch.full(q.shape[:3], float("-inf"), dtype=adt, device=q.device))
+        return state
+    kw = dict(variant or {})
+    if tiles is not None:
+        kw["tiles"] = tiles
+    blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, **kw)
+    if state is None:  # step (0, 0): this rank's own chunk
+        return blk_out.to(adt), blk_lse.to(adt)
+    return merge_attention(state[0], state[1], blk_out, blk_lse)
+
+
+@profiled(ATTENTION)
+def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, k_pos, scale: float, tiles=None,
+                  skip=False, variant: dict | None = None) -> torch.Tensor:
+    """One ring step of the backward: adds this block's dq into ``dq``, returns its packed ``[2, ...]`` dK/dV."""
+    adt = acc_dtype(q.dtype)
+    if skip:
+        return torch.zeros((2, *kv_chunk.shape[1:]), dtype=adt, device=q.device)
+    kw = dict(variant or {})
+    if tiles is not None:
+        kw["tiles"] = tiles
+    dq_b, dk_b, dv_b = op.backward(q, kv_chunk[0], kv_chunk[1], out, lse, dout, q_pos, k_pos, scale, **kw)
+    dq += dq_b
+    return torch.stack([dk_b.to(adt), dv_b.to(adt)])
+
+
+def lists_for_step(plan: StepLists | None, src: int, skip_dense: dict[int, bool] | None = None) -> tuple[TileLists | None, bool]:
+    """The step's lists and whether it computes nothing: ``skip_dense`` (window or document skips) holds for the
+    dense and the sparse ring alike."""
+    extra = bool(skip_dense and skip_dense.get(src, False))
+    if plan is None:
+        return None, extra
+    tiles, skip = plan.for_source(src)
+    return tiles, skip or extra
+
+
+def document_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, doc_start: torch.Tensor) -> dict[int, bool]:
+    """For packed documents: which source ranks' chunks hold no key of any of this rank's queries' documents
+    (``doc_start[b, q] <= k <= q`` for no row), so their ring steps compute nothing. One host sync."""
+    q_pos = positions[cp_rank]
+    lo = doc_start.reshape(-1, q_pos.shape[0])
+    hits = []
+    for k_pos in positions:
+        hi = torch.searchsorted(k_pos, q_pos, right=True)  # keys <= q
+        first = torch.searchsorted(k_pos, lo.contiguous())  # first key >= the document's start
+        hits.append((hi[None, :] > first).any())
+    work = torch.stack(hits).tolist()
+    return {src: not w for src, w in enumerate(work)}
+
+
+def merge_skips(a: dict[int, bool] | None, b: dict[int, bool] | None) -> dict[int, bool] | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return {src: a.get(src, False) or b.get(src, False) for src in set(a) | set(b)}
+
+
+def window_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, window: int | None) -> dict[int, bool] | None:
+    """For a sliding-window layer: which source ranks' chunks hold no key inside this rank's queries' windows
+    (their ring steps compute nothing). None without a window."""
+    if window is None:
+        return None
+    q_pos = positions[cp_rank]
+    out = {}
+    for src, k_pos in enumerate(positions):
+        # a query q sees a key iff q - window < k <= q: count the chunk's keys in (q - window, q] for every q
+        hi = torch.searchsorted(k_pos, q_pos, right=True)
+        lo = torch.searchsorted(k_pos, q_pos - window, right=True)
+        out[src] = not bool((hi > lo).any())
+    return out
+
+
+@profiled(LISTS)
+def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sources, num_heads: int,
+                     num_kv_heads: int, n: int, verticals: str = "arrival") -> StepLists:
+    """This rank's lists for every ring step (queries at ``positions[cp_rank]`` against each source's keys).
+
+    ``verticals="gathered"``: the per-step lists hold tiles only, and the vertical columns are computed in one extra
+    step against their gathered K/V (Note [Gathered verticals]); ``"arrival"``: each vertical at the step its key's
+    chunk arrives. One host sync for the pattern's list widths and one for which steps have any work."""
+    if verticals not in ("arrival", "gathered"):
+        raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
+    full = pattern.expand(num_heads, num_kv_heads)
+    pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size)
+    q_pos = positions[cp_rank]
+    gather = verticals == "gathered" and pt.verticals.numel() > 0
+    # every step's lists in one builder call (one Triton launch on CUDA)
+    built = step_tile_lists_batched(pt, q_pos, torch.stack([positions[src] for src in sources]), columns=not gather)
+    lists = dict(zip(sources, built))
+    flags = [lists_have_work(lists[src]) for src in sources]
+    vert_pos = gathered = owned = None
+    if gather:
+        v = pt.verticals.to(q_pos.device)
+        vert_pos = torch.unique(v[v < pt.big])  # sorted union over batch rows and heads
+        gathered = step_tile_lists(pt, q_pos, vert_pos, tiles=False)
+        flags.append(lists_have_work(gathered))
+        local = torch.searchsorted(q_pos, vert_pos).clamp(max=q_pos.numel() - 1)
+        owned = (local, q_pos[local] == vert_pos)
+    work = torch.stack(flags).tolist()
+    return StepLists(lists, {src: not w for src, w in zip(sources, work)}, vert_pos, gathered,
+                     not work[-1] if gather else True, owned)
+
+
+def attention_variant(window: int | None = None, softcap: float | None = None,
+                      doc_start: torch.Tensor | None = None) -> dict:
+    """The block op keywords of an attention variant (only those set: plain causal attention passes none)."""
+    return {k: v for k, v in (("window", window), ("softcap", softcap), ("doc_start", doc_start)) if v is not None}

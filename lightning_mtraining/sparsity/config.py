@@ -1,0 +1,249 @@
+"""The budgets of the vertical-slash sparse pattern (``SparsityConfig``) and the paper's training setting.
+
+``SparsityConfig`` holds what the estimator (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`) needs
+(MTraining section 3.1, MInference's vertical-slash search): a fixed top-k per head, or top-p of the attention mass
+with caps; the probe size; the always-kept sinks and local window; which layers stay dense, a dense warm-up, and
+per-layer / per-head budgets calibrated offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from lightning_mtraining.core.checks import is_int
+from lightning_mtraining.sparsity.pattern import check_tile_size
+
+__all__ = ["PAPER_SPARSITY", "SparsityConfig", "parse_sparsity"]
+
+PatternHeads = Literal["query", "kv"]
+
+
+def _budget(value: Any, name: str, allow_zero: bool = True) -> int | tuple[int, ...]:
+    """An int budget or a per-head tuple of ints, validated (>= 0, or >= 1 when zero is not allowed)."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"SparsityConfig.{name}: a per-head budget list must not be empty")
+        out = tuple(_budget(v, f"{name}[{i}]", allow_zero) for i, v in enumerate(value))
+        return out  # type: ignore[return-value]
+    if not is_int(value, low):
+        raise ValueError(f"SparsityConfig.{name} must be an int >= {low} (or one per head), got {value!r}")
+    return value
+
+
+def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...] | None:
+    """Normalise per-layer budgets to a sorted, hashable ``((layer, ((vertical, slash), ...)), ...)``.
+
+    Accepted: ``{layer: (vertical, slash)}`` (every head of the layer) or ``{layer: [(vertical, slash), ...]}``
+    (one pair per pattern head), layer keys as ints or strings of ints, or the path of a JSON file holding such a
+    mapping (optionally under a top-level ``"layers"`` key).
+    """
+    if budgets is None:
+        return None
+    source = ""
+    if isinstance(budgets, (str, os.PathLike)):
+        source = f" (from {os.fspath(budgets)})"
+        try:
+            with open(budgets) as f:
+                budgets = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"SparsityConfig.budgets: no such JSON file {os.fspath(budgets)!r}") from None
+        if isinstance(budgets, Mapping) and "layers" in budgets:
+            budgets = budgets["layers"]
+    if isinstance(budgets, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in budgets):
+        budgets = dict(budgets)  # already normalised (dataclasses.replace passes it again)
+    if not isinstance(budgets, Mapping):
+        raise TypeError(
+            f"SparsityConfig.budgets{source} must be a mapping {{layer: (vertical, slash) or [(vertical, slash) per "
+            f"head]}} or a JSON file path, got {type(budgets).__name__}"
+        )
+    out = []
+    for key, value in budgets.items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"SparsityConfig.budgets{source}: layer key {key!r} is not an integer") from None
+        if layer < 0:
+            raise ValueError(f"SparsityConfig.budgets{source}: layer {layer} is negative")
+        pairs = value
+        if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(x, int) for x in value):
+            pairs = [value]
+        if not isinstance(pairs, Sequence) or not pairs:
+            raise ValueError(
+                f"SparsityConfig.budgets{source}[{layer}] must be (vertical, slash) or a non-empty list of such "
+                f"pairs, got {value!r}"
+            )
+        norm = []
+        for h, pair in enumerate(pairs):
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(f"SparsityConfig.budgets{source}[{layer}][{h}] must be (vertical, slash), got {pair!r}")
+            v, s = (_budget(x, f"budgets[{layer}][{h}]") for x in pair)
+            norm.append((v, s))
+        out.append((layer, tuple(norm)))
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+    """Budgets of the vertical-slash pattern estimated online, every forward, per layer and head.
+
+    Two selection modes (the exact rule is in :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`):
+
+    - top-k (``top_p=None``): the forced entries plus the ``vertical_topk`` / ``slash_topk`` best others;
+    - top-p (``top_p`` in (0, 1]): the forced entries, then others by score until the kept share of the probe
+      queries' attention mass reaches ``top_p``, at most ``max_vertical`` / ``max_slash`` others. The MTraining
+      reference trains with p = 0.9 (caps 4096); smaller p keeps less.
+
+    Args:
+        vertical_topk: key columns kept per head in top-k mode (besides the sinks); an int, or one per pattern head.
+        slash_topk: diagonals kept per head in top-k mode (besides the local window); an int, or one per head.
+        top_p: ``None`` for top-k mode, or the share of attention mass to keep (top-p mode).
+        max_vertical: cap on non-forced key columns per head in top-p mode.
+        max_slash: cap on non-forced diagonals per head in top-p mode.
+        last_q: probe queries: the last ``last_q`` real positions of each sequence are scored against all keys.
+        sink_tokens: key positions ``0 .. sink_tokens - 1`` are always kept (attention sinks).
+        local_window: diagonal offsets ``0 .. local_window - 1`` are always kept (local window).
+        pattern_heads: ``"query"``: one pattern per query head; ``"kv"``: one per KV group (scores summed over its
+            query heads), which halves nothing in the kernels but makes the pattern G times smaller.
+        tile_size: tile T at which slashes run (a power of two >= 16; 128 is the kernels' fastest). Sharded
+            layouts must hold whole, aligned tiles (striped: ``block_size`` a multiple of T).
+        dense_layers: layer indices that always run dense (exact) attention.
+        dense_warmup_steps: optimizer steps trained dense before sparse attention starts (applied by the
+            strategies' schedule; ``estimate_pattern`` itself ignores it).
+        budgets: per-layer (and optionally per-head) budgets calibrated offline: ``{layer: (vertical, slash)}`` or
+            ``{layer: [(vertical, slash), ...]}`` (one pair per pattern head), or the path of a JSON file holding
+            that mapping. In top-k mode a pair replaces ``(vertical_topk, slash_topk)``; in top-p mode it replaces
+            the caps ``(max_vertical, max_slash)``. Layers not listed use the global budgets.
+    """
+
+    vertical_topk: int | tuple[int, ...] = 1024
+    slash_topk: int | tuple[int, ...] = 1024
+    top_p: float | None = None
+    max_vertical: int | tuple[int, ...] = 4096
+    max_slash: int | tuple[int, ...] = 4096
+    last_q: int = 64
+    sink_tokens: int = 4
+    local_window: int = 128
+    pattern_heads: PatternHeads = "query"
+    tile_size: int = 128
+    dense_layers: tuple[int, ...] = ()
+    dense_warmup_steps: int = 0
+    budgets: Any = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        for name in ("vertical_topk", "slash_topk", "max_vertical", "max_slash"):
+            set_(name, _budget(getattr(self, name), name))
+        for name, low in (("last_q", 1), ("sink_tokens", 0), ("local_window", 0), ("dense_warmup_steps", 0)):
+            value = getattr(self, name)
+            if not is_int(value, low):
+                raise ValueError(f"SparsityConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.sink_tokens == 0 and self.local_window == 0:
+            raise ValueError(
+                "SparsityConfig(sink_tokens=0, local_window=0) could leave a query with no key at all (an empty "
+                "attention row: output 0, no gradient); keep sink_tokens >= 1 (key 0 for every query) or "
+                "local_window >= 1 (each query's own key); the defaults are 4 and 128"
+            )
+        if self.top_p is not None:
+            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"SparsityConfig.top_p must be None (top-k mode) or in (0, 1], got {self.top_p!r}")
+            set_("top_p", float(self.top_p))
+        if self.pattern_heads not in ("query", "kv"):
+            raise ValueError(f"SparsityConfig.pattern_heads must be 'query' or 'kv', got {self.pattern_heads!r}")
+        check_tile_size(self.tile_size, "SparsityConfig")
+        dense = self.dense_layers
+        if isinstance(dense, int) or not isinstance(dense, (list, tuple, set, frozenset)):
+            raise ValueError(f"SparsityConfig.dense_layers must be a list of layer indices, got {dense!r}")
+        bad = [i for i in dense if not is_int(i, 0)]
+        if bad:
+            raise ValueError(f"SparsityConfig.dense_layers must hold non-negative ints, got {bad}")
+        set_("dense_layers", tuple(sorted(set(dense))))
+        set_("budgets", _load_budgets(self.budgets))
+        both = sorted(set(self.dense_layers) & {layer for layer, _ in (self.budgets or ())})
+        if both:
+            raise ValueError(f"SparsityConfig: layers {both} are both in dense_layers and in budgets; choose one")
+
+    @property
+    def mode(self) -> Literal["topk", "topp"]:
+        return "topk" if self.top_p is None else "topp"
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> SparsityConfig:
+        """A config whose fields come from a JSON object (``overrides`` win); ``budgets`` may be inside it."""
+        with open(path) as f:
+            fields = json.load(f)
+        if not isinstance(fields, Mapping):
+            raise TypeError(f"{os.fspath(path)} must hold a JSON object of SparsityConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"{os.fspath(path)}: unknown SparsityConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**{**fields, **overrides})
+
+    def is_dense_layer(self, layer_idx: int | None) -> bool:
+        return layer_idx is not None and layer_idx in self.dense_layers
+
+    def head_budgets(self, num_heads: int, layer_idx: int | None = None) -> tuple[list[int], list[int]]:
+        """Per-head (vertical, slash) budgets of ``layer_idx`` for ``num_heads`` pattern heads.
+
+        Top-k mode: the number of non-forced entries kept; top-p mode: the caps. Raises if a per-head list does
+        not have ``num_heads`` entries.
+        """
+        if self.mode == "topk":
+            vert, slash = self.vertical_topk, self.slash_topk
+        else:
+            vert, slash = self.max_vertical, self.max_slash
+        where = "the global budgets"
+        if layer_idx is not None and self.budgets is not None:
+            for layer, pairs in self.budgets:
+                if layer == layer_idx:
+                    where = f"budgets[{layer}]"
+                    if len(pairs) == 1:
+                        vert, slash = pairs[0]
+                    else:
+                        vert, slash = [p[0] for p in pairs], [p[1] for p in pairs]
+                    break
+
+        def per_head(x: Any) -> list[int]:
+            if isinstance(x, int):
+                return [x] * num_heads
+            flat = list(x)
+            if len(flat) != num_heads or not all(isinstance(v, int) for v in flat):
+                raise ValueError(
+                    f"SparsityConfig: {where} give {len(flat)} per-head budgets, but the pattern has {num_heads} heads "
+                    f"(pattern_heads={self.pattern_heads!r}); give one int, or one per head"
+                )
+            return flat
+
+        return per_head(vert), per_head(slash)
+
+
+PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
+"""The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
+slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
+
+
+def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:
+    """A config from a short command-line spec: ``"none"`` (None: dense), ``"paper"`` (:data:`PAPER_SPARSITY`),
+    ``"topp:P"`` or ``"topk:V,S"`` (V verticals, S slashes per head); ``overrides`` set other fields (e.g.
+    ``tile_size=32``)."""
+    if spec == "none":
+        return None
+    kind, _, value = spec.partition(":")
+    try:
+        if kind == "paper" and not value:
+            config = PAPER_SPARSITY
+        elif kind == "topk":
+            vertical, slash = (int(v) for v in value.split(","))
+            config = SparsityConfig(vertical_topk=vertical, slash_topk=slash)
+        elif kind == "topp":
+            config = SparsityConfig(top_p=float(value))
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"a sparsity spec is 'none', 'paper', 'topp:P' or 'topk:V,S' (ints); got {spec!r}") from None
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -1,0 +1,144 @@
+"""The vertical-slash sparse attention pattern (``VerticalSlashPattern``).
+
+Shape legend: B batch, G pattern heads (G = H: one pattern per query head; G = Hkv: one per KV group, shared by
+its H // Hkv query heads), n / n' the (padded) number of verticals / slashes, S the sequence length, T the tile.
+
+A pattern is a *global* object: ``vertical_idx [B, G, n]`` are key positions of the whole sequence and
+``slash_idx [B, G, n']`` are diagonal offsets q - k (0 = the main diagonal); negative entries are padding. Its
+meaning is exactly ``sparse_attention(q, k, v, vertical_idx, slash_idx, block_size=tile_size)`` on the
+unsharded sequence (the computed pairs are defined in :mod:`mtraining_kernels.indexing`): slashes run at tile
+granularity (the T x T tiles their diagonal crosses), verticals token by token, always key <= query. Because the
+pattern names global positions, the same pattern gives the same attention whatever the layout and the number of
+context-parallel ranks; :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern` estimates one online.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from lightning_mtraining.core.checks import is_int
+
+__all__ = ["VerticalSlashPattern", "check_tile_size"]
+
+
+def check_tile_size(tile_size: Any, owner: str) -> None:
+    if not is_int(tile_size, 16) or tile_size & (tile_size - 1):
+        raise ValueError(f"{owner}.tile_size must be a power of two >= 16 (the kernels' tile), got {tile_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerticalSlashPattern:
+    """A global vertical-slash pattern: the meaning is ``sparse_attention(q, k, v, vertical_idx, slash_idx,
+    block_size=tile_size)`` on the unsharded sequence, whatever the layout and world size.
+
+    Args:
+        vertical_idx: ``[B, G, n]`` integer key positions (vertical lines); negative entries are padding.
+        slash_idx: ``[B, G, n']`` integer diagonal offsets q - k (0 = main diagonal); negative entries are padding.
+        tile_size: the tile T at which slashes run (a power of two >= 16).
+
+    Duplicates are allowed and ignored. G is H (a pattern per query head) or H_kv (per KV group).
+    """
+
+    vertical_idx: torch.Tensor
+    slash_idx: torch.Tensor
+    tile_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("vertical_idx", "slash_idx"):
+            idx = getattr(self, name)
+            if not isinstance(idx, torch.Tensor):
+                raise TypeError(f"VerticalSlashPattern.{name} must be a torch.Tensor, got {type(idx).__name__}")
+            if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+                raise TypeError(f"VerticalSlashPattern.{name} must be an integer tensor, got {idx.dtype}")
+            if idx.dim() != 3:
+                raise ValueError(f"VerticalSlashPattern.{name} must be [batch, heads, n], got {tuple(idx.shape)}")
+        v, s = self.vertical_idx, self.slash_idx
+        if v.shape[:2] != s.shape[:2]:
+            raise ValueError(
+                f"VerticalSlashPattern: vertical_idx {tuple(v.shape)} and slash_idx {tuple(s.shape)} must share "
+                "[batch, heads]"
+            )
+        if v.device != s.device:
+            raise ValueError(f"VerticalSlashPattern: vertical_idx on {v.device} but slash_idx on {s.device}")
+        check_tile_size(self.tile_size, "VerticalSlashPattern")
+
+    @property
+    def batch_size(self) -> int:
+        return self.vertical_idx.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        """G, the number of pattern heads."""
+        return self.vertical_idx.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.vertical_idx.device
+
+    def to(self, device: torch.device | str) -> VerticalSlashPattern:
+        return VerticalSlashPattern(self.vertical_idx.to(device), self.slash_idx.to(device), self.tile_size)
+
+    def validate(self, seq_len: int, num_heads: int | None = None, num_kv_heads: int | None = None,
+                 batch_size: int | None = None) -> None:
+        """Raise a clear error unless the pattern fits a sequence of ``seq_len`` tokens (and the given heads).
+
+        Entries must be < ``seq_len`` (negative ones are padding); G must be H or H_kv. One host sync.
+        """
+        if batch_size is not None and self.batch_size != batch_size:
+            raise ValueError(f"the pattern is for batch {self.batch_size}, the inputs have batch {batch_size}")
+        if num_heads is not None:
+            allowed = {num_heads} | ({num_kv_heads} if num_kv_heads is not None else set())
+            if self.num_heads not in allowed:
+                raise ValueError(
+                    f"the pattern has {self.num_heads} heads; expected H={num_heads} (per query head)"
+                    + (f" or H_kv={num_kv_heads} (per KV group)" if num_kv_heads is not None else "")
+                )
+        for name in ("vertical_idx", "slash_idx"):
+            idx = getattr(self, name)
+            if idx.numel():
+                top = int(idx.max())
+                if top >= seq_len:
+                    raise ValueError(
+                        f"VerticalSlashPattern.{name} holds {top} >= sequence length {seq_len}: key positions and "
+                        "diagonal offsets must be < the sequence length (use negative values for padding)"
+                    )
+
+    def expand(self, num_heads: int, num_kv_heads: int) -> VerticalSlashPattern:
+        """The same pattern with one row per query head (G = H)."""
+        from mtraining_kernels.indexing import expand_pattern
+
+        return VerticalSlashPattern(
+            expand_pattern(self.vertical_idx, num_heads, num_kv_heads),
+            expand_pattern(self.slash_idx, num_heads, num_kv_heads),
+            self.tile_size,
+        )
+
+    def mask(self, seq_len: int) -> torch.Tensor:
+        """Boolean ``[B, G, S, S]`` mask of the allowed (query, key) pairs (a reference for small S)."""
+        from mtraining_kernels.reference import vertical_slash_mask
+
+        return vertical_slash_mask(self.vertical_idx, self.slash_idx, seq_len, self.tile_size)
+
+    def allowed_pairs(self, seq_len: int) -> torch.Tensor:
+        """Exact number of allowed (query, key) pairs per ``[B, G]`` (int64), counted per tile."""
+        from lightning_mtraining.sparsity.balance import allowed_pairs
+
+        return allowed_pairs(self, seq_len)
+
+    def density(self, seq_len: int) -> torch.Tensor:
+        """Exact share of the causal pairs the pattern allows, ``[B, G]`` float64 (1.0 = dense)."""
+        causal = seq_len * (seq_len + 1) // 2
+        return self.allowed_pairs(seq_len).double() / causal
+
+    @classmethod
+    def full(cls, batch_size: int, num_heads: int, seq_len: int, tile_size: int = 128,
+             device: torch.device | str | None = None) -> VerticalSlashPattern:
+        """A pattern that covers every causal pair (a slash through every tile diagonal): dense attention."""
+        check_tile_size(tile_size, "VerticalSlashPattern")
+        n_tiles = -(-seq_len // tile_size)
+        slash = (torch.arange(n_tiles, device=device) * tile_size).expand(batch_size, num_heads, n_tiles)
+        vertical = torch.full((batch_size, num_heads, 1), -1, dtype=torch.int64, device=device)
+        return cls(vertical, slash.contiguous(), tile_size)

@@ -1,0 +1,177 @@
+"""The sparse attention schedule of a training run, shared by every attention layer of the prepared models.
+
+Lightning-free (integration layer, used by both strategies and the callback). One :class:`AttentionSchedule` per
+strategy decides, for each layer and forward, whether attention runs sparse (the layer's ``SparsityConfig``, its
+``dense_layers``, the dense warm-up of ``dense_warmup_steps`` optimizer steps, sequences too short for the probes),
+keeps the layer's pattern for the rest of the forward and backward (Note [One pattern per forward]), and measures
+what users watch: the pattern's exact density, the ring's work imbalance and, when asked, the attention recall.
+
+Note [One pattern per forward]
+------------------------------
+A pattern is estimated once per layer per model forward: the model's forward pre-hook starts a new forward
+(:meth:`AttentionSchedule.begin_forward`), and a layer that runs again before the next one (activation
+checkpointing recomputes decoder layers during backward: HF ``gradient_checkpointing_enable`` or
+``torch.utils.checkpoint``) gets the pattern it had, not a second estimate. Backward itself never estimates: the
+ring saves its per-step lists for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from lightning_mtraining.sparsity.balance import ring_step_work
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+
+__all__ = ["AttentionSchedule", "LayerStats"]
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """What one layer's pattern looked like in the last measured forward."""
+
+    allowed: int  # allowed (query, key) pairs over the real sequences, summed over batch rows and pattern heads
+    causal: int  # causal pairs of the same sequences and heads
+    step_max: float  # sum over ring steps of the busiest rank's work (exact pair counts)
+    step_mean: float  # sum over ring steps of the mean rank's work
+    recall: float | None = None  # mean share of the attention mass kept (attention_recall), if measured
+
+
+class AttentionSchedule:
+    """Per-layer sparsity over time, the per-forward pattern cache, and the measured statistics.
+
+    Args:
+        layer_sparsity: ``layer_idx -> SparsityConfig | None`` (the strategy's sparsity and callback overrides).
+        log_every_n_steps: measure density and imbalance on the training forwards of every n-th optimizer step
+            (0: never); measuring costs an exact per-tile count of each layer's pattern on the host.
+        recall_every_n_steps: also measure ``attention_recall`` (``recall_rows`` sampled query rows per layer)
+            every n-th step; 0 (default) disables it. Cost: like one estimation with ``recall_rows`` probes.
+        recall_rows: query rows sampled per layer for the recall.
+    """
+
+    def __init__(
+        self,
+        layer_sparsity: Callable[[int], SparsityConfig | None],
+        log_every_n_steps: int = 50,
+        recall_every_n_steps: int = 0,
+        recall_rows: int = 64,
+    ) -> None:
+        self.layer_sparsity = layer_sparsity
+        self.log_every_n_steps = log_every_n_steps
+        self.recall_every_n_steps = recall_every_n_steps
+        self.recall_rows = recall_rows
+        self.step = 0
+        self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
+        self._patterns: dict[int, VerticalSlashPattern] = {}
+        self._measuring = False
+        self._recall = False
+        self._stats: dict[int, LayerStats] = {}
+        self._last: dict[str, float] = {}
+        self.measured_at: int | None = None  # the step of the last measured forward
+
+    # --- the schedule ------------------------------------------------------------------------------------------
+
+    def config_for(self, layer_idx: int | None) -> SparsityConfig | None:
+        """The layer's budgets now, or None when it runs dense (dense layer, or still in the dense warm-up)."""
+        cfg = self.layer_sparsity(layer_idx) if layer_idx is not None else None
+        if cfg is None or cfg.is_dense_layer(layer_idx) or self.step < cfg.dense_warmup_steps:
+            return None
+        return cfg
+
+    def sparse_configs(self, layers: list[int]) -> list[SparsityConfig]:
+        """The distinct configs any of ``layers`` may ever run sparse with (warm-up aside)."""
+        found = []
+        for layer in layers:
+            cfg = self.layer_sparsity(layer)
+            if cfg is not None and not cfg.is_dense_layer(layer) and cfg not in found:
+                found.append(cfg)
+        return found
+
+    def set_step(self, step: int) -> None:
+        """The number of optimizer steps done (the Trainer's ``global_step``; Fabric counts its own)."""
+        self.step = int(step)
+
+    def begin_forward(self, training: bool) -> None:
+        """A new model forward: forget the last forward's patterns; measure on the logging steps' training passes."""
+        self._patterns.clear()
+        every, recall_every = self.log_every_n_steps, self.recall_every_n_steps
+        self._measuring = training and every > 0 and self.step % every == 0
+        self._recall = training and recall_every > 0 and self.step % recall_every == 0
+        if self._measuring or self._recall:
+            self._stats = {}
+            self.measured_at = self.step
+
+    def pattern_for(self, layer_idx: int, estimate: Callable[[], VerticalSlashPattern]) -> tuple[VerticalSlashPattern,
+                                                                                                 bool]:
+        """``(pattern, new)``: this forward's pattern of the layer, estimated on first use (see the Note)."""
+        found = self._patterns.get(layer_idx)
+        if found is not None:
+            return found, False
+        pattern = estimate()
+        self.estimations += 1
+        self._patterns[layer_idx] = pattern
+        return pattern, True
+
+    # --- measurements -----------------------------------------------------------------------------------------
+
+    @property
+    def measuring(self) -> bool:
+        return self._measuring or self._recall
+
+    @property
+    def measuring_recall(self) -> bool:
+        return self._recall
+
+    def record(self, layer_idx: int, pattern: VerticalSlashPattern, lengths: list[int], n_total: int, cp_size: int,
+               layout: str, block_size: int, inner_size: int | None, recall: torch.Tensor | None = None) -> None:
+        """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured."""
+        p = pattern.to("cpu")
+        allowed = causal = 0
+        for b, length in enumerate(lengths):
+            row = VerticalSlashPattern(p.vertical_idx[b:b + 1], p.slash_idx[b:b + 1], p.tile_size)
+            allowed += int(row.allowed_pairs(length).sum())
+            causal += length * (length + 1) // 2 * p.num_heads
+        if cp_size > 1:
+            work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
+            step_max, step_mean = float(work.max(0).values.sum()), float(work.mean(0).sum())
+        else:
+            step_max = step_mean = float(allowed)
+        # a float32 sum of probabilities can exceed 1 by rounding (1 + 1e-8 seen): clamp for the [0, 1] metrics
+        value = None if recall is None else min(1.0, max(0.0, float(recall.double().mean())))
+        self._stats[layer_idx] = LayerStats(allowed, causal, step_max, step_mean, value)
+
+    def metrics(self) -> dict[str, float]:
+        """The last measured forward's numbers: ``attention/density`` (allowed over causal pairs of the sparse
+        layers), ``attention/imbalance`` (ring critical path: sum over layers and steps of the busiest rank's work
+        over the mean rank's, 1.0 = balanced), ``attention/recall`` when measured, and the same per layer
+        (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
+        stats = self._stats
+        if not stats:
+            return self._last
+        out: dict[str, float] = {
+            "attention/density": sum(s.allowed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
+            "attention/imbalance": sum(s.step_max for s in stats.values()) / max(1.0, sum(s.step_mean
+                                                                                          for s in stats.values())),
+        }
+        recalls = [s.recall for s in stats.values() if s.recall is not None]
+        if recalls:
+            out["attention/recall"] = sum(recalls) / len(recalls)
+        for layer, s in sorted(stats.items()):
+            out[f"attention/density/layer_{layer}"] = s.allowed / max(1, s.causal)
+            if s.recall is not None:
+                out[f"attention/recall/layer_{layer}"] = s.recall
+        self._last = out
+        return out
+
+    def layer_stats(self) -> dict[int, LayerStats]:
+        """The last measured forward's statistics per layer (empty before the first measurement)."""
+        return dict(self._stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
