@@ -82,6 +82,7 @@ MEASURED_ON = "one NVIDIA H100 80GB HBM3 (device tool), torch 2.11.0+cu130, trit
 PATTERN_ROWS = 16  # heads of the synthetic pattern per layer (what the simulated ring ran)
 FP_SPLIT = 1.0 / 3.5  # forward's share of forward+backward FLOPs (DESIGN.md: x3.5)
 GIB = 2**30
+NEAR_TIE = 0.99  # planner: candidates within 1% of the best tokens/s are equal as far as the model can tell
 
 
 # --- hardware and model shapes ------------------------------------------------------------------------------------
@@ -473,8 +474,10 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
     Memory: every candidate trains with activation checkpointing (what the step time models: the forward is
     recomputed). One that does not fit may fit with activation offload (``offload_activations``: the checkpointed
     layer inputs in host memory; the host-device copies are not in the step time). Order: candidates that fit
-    without offload, then those that fit only with it (``"offload": True``), then those that fit in neither way.
-    ``"memory"`` is what a candidate needs as it would run (with offload where it needs it)."""
+    without offload, then those that fit only with it (``"offload": True``), then those that fit in neither way;
+    each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
+    that fits a node) when it is within 1% of the fastest of the same CP size and layout. ``"memory"`` is what a
+    candidate needs as it would run (with offload where it needs it)."""
     gpus = nodes * per_node
     if cp_sizes is None:
         cp_sizes = [d for d in range(2, gpus + 1) if gpus % d == 0 and (d % per_node == 0 or per_node % d == 0)]
@@ -501,7 +504,19 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
                 dp = gpus // cp
                 cands.append({**layer, **step, "cp": cp, "dp": dp, "tokens_per_s": dp * step["tokens_per_s"],
                               "memory": mem, "fits": fits, "offload": offload})
-    cands.sort(key=lambda r: (0 if r["fits"] else 1 if r["offload"] else 2, -r["tokens_per_s"]))
+    tier = lambda r: 0 if r["fits"] else 1 if r["offload"] else 2  # noqa: E731
+    cands.sort(key=lambda r: (tier(r), -r["tokens_per_s"]))
+    # Within 1% the model cannot tell candidates apart: prefer the inner ring the strategy picks by itself
+    # (inner_ring_size=None: the largest that fits a node), same CP size and layout.
+    from lightning_mtraining.context_parallel import resolve_inner_ring_size
+
+    top = cands[0]
+    for i, c in enumerate(cands):
+        if (tier(c), c["cp"], c["layout"]) == (tier(top), top["cp"], top["layout"]) and \
+                c["tokens_per_s"] >= NEAR_TIE * top["tokens_per_s"] and \
+                c["inner"] == resolve_inner_ring_size(None, c["cp"], per_node):
+            cands.insert(0, cands.pop(i))
+            break
     dense = []  # the dense ring at the same CP sizes (flat), its best fitting one the baseline
     for cp in cp_sizes:
         cp_nodes, cp_per_node = (cp // per_node, per_node) if cp >= per_node else (1, cp)
@@ -647,7 +662,8 @@ def config_comments(p: dict, plan_text: str, command: str, config_path: str | No
                   "model and short sequences (to check the setup runs end to end, not to train).", ""]
     lines += [line for line in plan_text.splitlines() if line.startswith(("plan:", "best", "memory"))]
     lines += ["", f"predicted: step {b['step_s']:.2f} s, {b['tokens_per_s']:.0f} tokens/s over {nodes * per_node} GPUs "
-              "(a model, not a measurement)", "", "launch (every machine runs the same command):"]
+              "(a model, not a measurement: its work counts", "use fixed synthetic budgets; the config trains with "
+              "the paper's setting, top-p 0.9 with caps of 4096)", "", "launch (every machine runs the same command):"]
     if nodes == 1:
         lines += [f"  one machine:  {launch['python']}"]
     lines += [f"  Lightning Studio:  {launch['studio']}",
