@@ -58,7 +58,14 @@ per-rank lengths other than 16K beyond the fitted line.
 Memory per GPU (planner): model states ``bytes_per_param * P`` (default 16: bf16 weights and gradients, float32
 master and Adam moments; ``/ W`` with FSDP) + activations ``S * act_bytes_per_token``, the per-token slope measured
 on one H100 (Qwen2.5-3B, checkpointing, bf16-true: 18.6 / 26.8 / 47.2 GiB at 32K / 64K / 128K: 0.30 MiB a token),
-scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``).
+scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``). With
+activation offload (``offload_activations=True``) the checkpointed inputs are counted in host memory instead (a rule,
+not fitted to a measurement; the host-device copies are not in the step time).
+
+Planner output: the table, then the best candidate as a LightningCLI config for ``examples/cli.py`` (``plan_config``:
+the strategy, activation checkpointing, offload where memory needs it, devices and nodes, the model's shape, the
+example's data; ``--config-out`` writes it, ``--cpu`` writes its CPU-sized variant, ``--studio-job`` submits it as a
+Lightning Studio job), with the launch command of each launcher in its header.
 """
 
 from __future__ import annotations

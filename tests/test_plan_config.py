@@ -6,8 +6,9 @@
   ``MASTER_PORT``), and its mesh line is the plan's ring.
 - The GPU configs (the planner's output, and ``examples/configs/cluster_*.yaml``) parse as they are and construct
   the strategy they name (on CPU: the accelerator is the only override), with the plan's sizes.
-- The Studio helper's request binds to ``lightning_sdk.Job.run``'s documented keyword arguments (a stand-in that
-  records them: no network, no SDK needed; the real signature is checked too where the SDK is installed).
+- The Studio helper's request binds to ``lightning_sdk.Job.run``'s documented keyword arguments (a stand-in with
+  the same parameters as ``Job.run`` in lightning-sdk 2026.10.13 records them: no network, no SDK needed; the real
+  signature is checked too where the SDK is installed).
 """
 
 from __future__ import annotations
