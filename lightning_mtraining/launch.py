@@ -5,8 +5,8 @@ and an optional Lightning Studio job submission.
 Note [Launchers and cluster environments]
 -----------------------------------------
 The strategies never read launcher variables themselves: Lightning picks a cluster environment at ``Trainer(...)``
-(or ``Fabric(...)``), the first of these that detects itself, and the strategy takes the world size, the global rank
-and the node rank from it::
+(or ``Fabric(...)``), the first that detects itself in the order below (LSF and MPI come between SLURM and the
+default), and the strategy takes the world size, the global rank and the node rank from it::
 
     launcher                      detected as (by)                      what Lightning reads
     ----------------------------  ------------------------------------  --------------------------------------------
@@ -28,9 +28,9 @@ differs from the launcher's processes per node (``torchrun --nproc-per-node 4`` 
 num_nodes=1)`` passes Lightning's check on a world of 8) or when the launcher numbers ranks round-robin over nodes
 (``srun --distribution=cyclic``).
 
-With ``num_nodes > 1`` and ``inner_ring_size=None`` the strategies run the hierarchical ring with the inner rings
-inside a node (:func:`~lightning_mtraining.context_parallel.resolve_inner_ring_size`), and rank 0's mesh line says
-where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer (across nodes) x 8
+With ``num_nodes > 1`` and ``inner_ring_size=None``, a CP group that spans nodes runs the hierarchical ring with its
+inner rings inside a node (:func:`~lightning_mtraining.context_parallel.resolve_inner_ring_size`), and rank 0's mesh
+line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer (across nodes) x 8
 inner (within a node), striped layout (block 128)``.
 """
 
@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mtraining.context_parallel import resolve_context_parallel_size, resolve_inner_ring_size
+from lightning_mtraining.options import ContextParallelOptions
+from lightning_mtraining.parallel import check_sparsity_args
 from lightning_mtraining.pattern import PAPER_SPARSITY, SparsityConfig
 
 __all__ = [
@@ -94,9 +96,20 @@ def sparsity_init(sparsity: SparsityConfig | None) -> dict[str, Any] | None:
     args: dict[str, Any] = {}
     for field in dataclasses.fields(SparsityConfig):
         value = getattr(sparsity, field.name)
+        if field.name == "budgets" and value is not None:  # normalised to ((layer, ((v, s), ...)), ...)
+            value = {layer: pairs for layer, pairs in value}
         if field.name in mode or value != field.default:
-            args[field.name] = list(value) if isinstance(value, tuple) else value
+            args[field.name] = _plain(value)
     return {"class_path": "lightning_mtraining.SparsityConfig", "init_args": args}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists, all the way down (YAML writes lists; the config classes take either)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def trainer_config(
@@ -131,7 +144,8 @@ def trainer_config(
         accelerator, precision: the Trainer's.
         **trainer_args: further Trainer arguments (``max_steps=...``), written after the others.
 
-    Raises ValueError (with the sizes) when the CP size does not divide the world or the inner ring the CP size.
+    Raises ValueError (with the values) when the CP size does not divide the world, the inner ring the CP size, or
+    an option is one the strategy would refuse.
     """
     for name, value in (("nodes", nodes), ("devices", devices), ("context_parallel_size", context_parallel_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -139,6 +153,11 @@ def trainer_config(
     world = nodes * devices
     cp = resolve_context_parallel_size(context_parallel_size, world)
     inner = resolve_inner_ring_size(inner_ring_size, cp, devices)
+    owner = "trainer_config"
+    ContextParallelOptions(context_parallel_size=cp, inner_ring_size=inner, layout=layout, block_size=block_size,  # type: ignore[arg-type]
+                           sparsity=sparsity, activation_checkpointing=activation_checkpointing,
+                           offload_activations=offload_activations, owner=owner)
+    check_sparsity_args(owner, [sparsity], layout, block_size)
     strategy = "MTrainingFSDPStrategy" if fsdp else "MTrainingStrategy"
     init_args: dict[str, Any] = {
         "context_parallel_size": cp,

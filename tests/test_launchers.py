@@ -155,3 +155,31 @@ def test_node_layout_is_checked(monkeypatch):
     strategy.num_nodes = 2  # as a matching Trainer(devices=2, num_nodes=2) would set it
     strategy.parallel_devices = [torch.device("cpu")] * 2
     strategy._check_node_layout()  # rank 2 = node 1's first process: consistent
+
+
+def test_mesh_line_says_where_rings_run():
+    """The default inner ring on ``num_nodes > 1`` and what rank 0's line says, for CP groups inside a node, over
+    whole nodes, over part of nodes, and an explicit inner ring that straddles nodes."""
+    from lightning_mtraining.context_parallel import describe_mesh, resolve_inner_ring_size
+
+    def line(world, cp, per_node, inner=None):
+        inner = resolve_inner_ring_size(inner, cp, per_node)
+        return inner, describe_mesh("S", world, cp, inner, "striped", 128, num_nodes=world // per_node)
+
+    assert line(32, 32, 8) == (8, "S: world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer (across "
+                                  "nodes) x 8 inner (within a node), striped layout (block 128)")
+    assert line(32, 8, 8)[1].endswith("dp 4 x cp 8, flat ring of 8 within a node, striped layout (block 128)")
+    assert line(8, 4, 2)[1].endswith("hierarchical ring: 2 outer (across nodes) x 2 inner (within a node), "
+                                     "striped layout (block 128)")
+    # CP 6 on nodes of 4: groups cross a node boundary part-way; inner rings of gcd(6, 4) = 2 stay in a node
+    assert line(12, 6, 4) == (2, "S: world 12 (3 nodes x 4) = dp 2 x cp 6, hierarchical ring: 3 outer (across "
+                                 "nodes) x 2 inner (within a node), striped layout (block 128)")
+    # no inner ring fits a node (gcd 1): flat, and the line says every step waits on the inter-node link
+    assert line(6, 3, 2)[1].endswith("flat ring of 3 across nodes (every ring step waits on the inter-node link), "
+                                     "striped layout (block 128)")
+    assert line(16, 16, 4, inner=8)[1].endswith("hierarchical ring: 2 outer x 8 inner (an inner ring spans 2 nodes), "
+                                                "striped layout (block 128)")
+    assert line(8, 4, 4, inner=2)[1].endswith("hierarchical ring: 2 outer x 2 inner (all within a node), striped "
+                                              "layout (block 128)")
+    # one node: the line as before
+    assert describe_mesh("S", 8, 4, 4, "zigzag", 128) == "S: world 8 = dp 2 x cp 4, flat ring of 4, zigzag layout"

@@ -189,10 +189,17 @@ def test_trainer_config_and_launch_commands():
         trainer_config(nodes=1, devices=8, context_parallel_size=3)
     with pytest.raises(ValueError, match="inner_ring_size=3 does not divide context_parallel_size=8"):
         trainer_config(nodes=1, devices=8, context_parallel_size=8, inner_ring_size=3)
-    topk = sparsity_init(SparsityConfig(vertical_topk=64, slash_topk=16, tile_size=32, dense_layers=(0, 1)))
-    assert topk["init_args"] == {"vertical_topk": 64, "slash_topk": 16, "tile_size": 32, "dense_layers": [0, 1]}
-    assert SparsityConfig(**{**topk["init_args"], "dense_layers": (0, 1)}) == SparsityConfig(
-        vertical_topk=64, slash_topk=16, tile_size=32, dense_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"trainer_config\(layout=...\) must be one of"):
+        trainer_config(nodes=1, devices=8, context_parallel_size=8, layout="diagonal")
+    with pytest.raises(ValueError, match="trainer_config: "):  # 128-token tiles cannot tile 64-token blocks
+        trainer_config(nodes=1, devices=8, context_parallel_size=8, block_size=64)
+    topk = sparsity_init(SparsityConfig(vertical_topk=64, slash_topk=16, tile_size=32, dense_layers=(0, 1),
+                                        budgets={2: (8, 4)}))
+    assert topk["init_args"] == {"vertical_topk": 64, "slash_topk": 16, "tile_size": 32, "dense_layers": [0, 1],
+                                 "budgets": {2: [[8, 4]]}}
+    assert yaml.safe_load(yaml.safe_dump(topk)) == topk  # plain YAML: no tuples
+    assert SparsityConfig(**topk["init_args"]) == SparsityConfig(vertical_topk=64, slash_topk=16, tile_size=32,
+                                                                 dense_layers=(0, 1), budgets={2: (8, 4)})
 
     cmd = cli_command("plan.yaml")
     assert cmd == "python examples/cli.py fit --config plan.yaml"
