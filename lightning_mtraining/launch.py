@@ -29,9 +29,9 @@ num_nodes=1)`` passes Lightning's check on a world of 8) or when the launcher nu
 (``srun --distribution=cyclic``).
 
 With ``num_nodes > 1`` and ``inner_ring_size=None``, a CP group that spans nodes runs the hierarchical ring with its
-inner rings inside a node (:func:`~lightning_mtraining.context_parallel.resolve_inner_ring_size`), and rank 0's mesh
-line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer (across nodes) x 8
-inner (within a node), striped layout (block 128)``.
+inner rings inside a node (:func:`~lightning_mtraining.context_parallel.resolve_inner_ring_size`), and rank 0's
+mesh line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer
+(across nodes) x 8 inner (within a node), striped layout (block 128)``.
 """
 
 from __future__ import annotations

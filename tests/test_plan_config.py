@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
-import os
 import subprocess
 import sys
 import types
@@ -140,7 +139,7 @@ def test_plan_config_for_gpus_parses_unchanged(tmp_path, capsys, monkeypatch):
 def test_example_cluster_configs(name, monkeypatch):
     path = CONFIGS / f"{name}.yaml"
     config = yaml.safe_load(path.read_text())
-    assert path.read_text().startswith(f"# made by: python benchmarks/scale_model.py plan ")
+    assert path.read_text().startswith("# made by: python benchmarks/scale_model.py plan ")
     nodes, tokens = {"cluster_1x8_128k": (1, 131072), "cluster_4x8_512k": (4, 524288),
                      "cluster_4x8_2m": (4, 2097152)}[name]
     t = config["trainer"]
@@ -204,7 +203,8 @@ def test_trainer_config_and_launch_commands():
     cmd = cli_command("plan.yaml")
     assert cmd == "python examples/cli.py fit --config plan.yaml"
     one = launch_commands("examples/cli.py fit --config plan.yaml", nodes=1, devices=8)
-    assert one["python"] == cmd and one["torchrun"] == "torchrun --nproc-per-node 8 examples/cli.py fit --config plan.yaml"
+    assert one["python"] == cmd
+    assert one["torchrun"] == "torchrun --nproc-per-node 8 examples/cli.py fit --config plan.yaml"
     four = launch_commands("examples/cli.py fit --config plan.yaml", nodes=4, devices=8, studio="s", machine="H200_X_8")
     assert four["torchrun"].startswith("torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE_RANK "
                                        "--master-addr $MASTER_ADDR --master-port 29500 examples/cli.py")
@@ -265,7 +265,7 @@ def test_studio_job_without_the_sdk(monkeypatch):
     from lightning_mtraining.launch import submit_studio_job
 
     monkeypatch.setitem(sys.modules, "lightning_sdk", None)  # `import lightning_sdk` raises ImportError
-    with pytest.raises(ImportError, match=r"needs the Lightning SDK, which is not installed: pip install lightning-sdk"):
+    with pytest.raises(ImportError, match=r"needs the Lightning SDK, which is not installed: pip install "):
         submit_studio_job("python x.py", name="mt", machine="H100_X_8", num_machines=2, devices=8)
 
 
