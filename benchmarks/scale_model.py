@@ -7,7 +7,8 @@ for the model). Commands (CPU, repo root, ``kernels/`` importable as ``mtraining
     python benchmarks/scale_model.py grid --out benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.json \\
         --plot benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.png
     python benchmarks/scale_model.py paper                 # the check against the paper's 4 x 8 A100 figures
-    python benchmarks/scale_model.py plan --model Qwen/Qwen2.5-3B --tokens 524288 --gpus-per-node 8 --nodes 4
+    python benchmarks/scale_model.py plan --model Qwen/Qwen2.5-3B --tokens 524288 --gpus-per-node 8 --nodes 4 \\
+        --config-out plan.yaml             # the table, then a config that `python examples/cli.py fit --config` runs
 
 Inputs
 ------
@@ -57,7 +58,14 @@ per-rank lengths other than 16K beyond the fitted line.
 Memory per GPU (planner): model states ``bytes_per_param * P`` (default 16: bf16 weights and gradients, float32
 master and Adam moments; ``/ W`` with FSDP) + activations ``S * act_bytes_per_token``, the per-token slope measured
 on one H100 (Qwen2.5-3B, checkpointing, bf16-true: 18.6 / 26.8 / 47.2 GiB at 32K / 64K / 128K: 0.30 MiB a token),
-scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``).
+scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``). With
+activation offload (``offload_activations=True``) the checkpointed inputs are counted in host memory instead (a rule,
+not fitted to a measurement; the host-device copies are not in the step time).
+
+Planner output: the table, then the best candidate as a LightningCLI config for ``examples/cli.py`` (``plan_config``:
+the strategy, activation checkpointing, offload where memory needs it, devices and nodes, the model's shape, the
+example's data; ``--config-out`` writes it, ``--cpu`` writes its CPU-sized variant, ``--studio-job`` submits it as a
+Lightning Studio job), with the launch command of each launcher in its header.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ MEASURED_ON = "one NVIDIA H100 80GB HBM3 (device tool), torch 2.11.0+cu130, trit
 PATTERN_ROWS = 16  # heads of the synthetic pattern per layer (what the simulated ring ran)
 FP_SPLIT = 1.0 / 3.5  # forward's share of forward+backward FLOPs (DESIGN.md: x3.5)
 GIB = 2**30
+NEAR_TIE = 0.99  # planner: candidates within 1% of the best tokens/s are equal as far as the model can tell
 
 
 # --- hardware and model shapes ------------------------------------------------------------------------------------
@@ -385,15 +394,18 @@ def training_step(layer: dict, shape: ModelShape, seq_len: int, gpus: int, hw: H
 
 
 def memory_gib(shape: ModelShape, seq_len: int, gpus: int, rest: dict, bytes_per_param: float = 16.0,
-               fsdp: bool = False) -> dict:
-    """Model states and activations per GPU (GiB); see the module docstring."""
+               fsdp: bool = False, offload: bool = False) -> dict:
+    """Model states and activations per GPU (GiB); see the module docstring. ``offload``: the checkpointed layer
+    inputs wait in host memory (``offload_activations=True``), so they leave the GPU's share."""
     s = seq_len // gpus
     states = bytes_per_param * shape.params() / (gpus if fsdp else 1)
     ckpt = lambda m: 2.0 * m.layers * m.hidden  # noqa: E731 - checkpointed layer inputs, bf16, bytes per token
     ref_rest = rest["act_bytes_per_token"] - ckpt(REFERENCE)
-    per_token = ckpt(shape) + ref_rest * (shape.ffn + shape.hidden) / (REFERENCE.ffn + REFERENCE.hidden)
+    per_token = (0.0 if offload else ckpt(shape)) + ref_rest * (shape.ffn + shape.hidden) / (REFERENCE.ffn +
+                                                                                             REFERENCE.hidden)
     act = s * per_token
-    return {"states_gib": states / GIB, "activations_gib": act / GIB, "total_gib": (states + act) / GIB}
+    return {"states_gib": states / GIB, "activations_gib": act / GIB, "total_gib": (states + act) / GIB,
+            "offload": offload}
 
 
 # --- the paper check ------------------------------------------------------------------------------------------------
@@ -464,7 +476,15 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
     """Every (context-parallel size, inner ring size, layout) of the sparse ring, best first by tokens/s among those
     that fit in memory; and the dense ring over all GPUs. ``cp_sizes`` (default: every divisor of the GPU count
     that is a multiple or a divisor of ``per_node``): CP groups of that size, the rest of the GPUs data-parallel
-    (``dp = GPUs / cp`` sequences at once)."""
+    (``dp = GPUs / cp`` sequences at once).
+
+    Memory: every candidate trains with activation checkpointing (what the step time models: the forward is
+    recomputed). One that does not fit may fit with activation offload (``offload_activations``: the checkpointed
+    layer inputs in host memory; the host-device copies are not in the step time). Order: candidates that fit
+    without offload, then those that fit only with it (``"offload": True``), then those that fit in neither way;
+    each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
+    that fits a node) when it is within 1% of the fastest of the same CP size and layout. ``"memory"`` is what a
+    candidate needs as it would run (with offload where it needs it)."""
     gpus = nodes * per_node
     if cp_sizes is None:
         cp_sizes = [d for d in range(2, gpus + 1) if gpus % d == 0 and (d % per_node == 0 or per_node % d == 0)]
@@ -477,6 +497,11 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
         cp_nodes, cp_per_node = (cp // per_node, per_node) if cp >= per_node else (1, cp)
         inners = sorted({d for d in range(2, cp_per_node + 1) if cp_per_node % d == 0} | {cp})
         mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp)
+        fits = mem["total_gib"] <= hw.gpu_mem_gib
+        offload = not fits and memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp,
+                                          offload=True)["total_gib"] <= hw.gpu_mem_gib
+        if offload:
+            mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=True)
         for layout in ("striped", "zigzag", "contiguous"):
             for inner in inners:
                 method = "flat" if inner == cp else "hier"
@@ -485,8 +510,20 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
                 step = training_step(layer, shape, seq_len, cp, hw, rest, cp_per_node)
                 dp = gpus // cp
                 cands.append({**layer, **step, "cp": cp, "dp": dp, "tokens_per_s": dp * step["tokens_per_s"],
-                              "memory": mem, "fits": mem["total_gib"] <= hw.gpu_mem_gib})
-    cands.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"]))
+                              "memory": mem, "fits": fits, "offload": offload})
+    tier = lambda r: 0 if r["fits"] else 1 if r["offload"] else 2  # noqa: E731
+    cands.sort(key=lambda r: (tier(r), -r["tokens_per_s"]))
+    # Within 1% the model cannot tell candidates apart: prefer the inner ring the strategy picks by itself
+    # (inner_ring_size=None: the largest that fits a node), same CP size and layout.
+    from lightning_mtraining.distributed.mesh import resolve_inner_ring_size
+
+    top = cands[0]
+    for i, c in enumerate(cands):
+        if (tier(c), c["cp"], c["layout"]) == (tier(top), top["cp"], top["layout"]) and \
+                c["tokens_per_s"] >= NEAR_TIE * top["tokens_per_s"] and \
+                c["inner"] == resolve_inner_ring_size(None, c["cp"], per_node):
+            cands.insert(0, cands.pop(i))
+            break
     dense = []  # the dense ring at the same CP sizes (flat), its best fitting one the baseline
     for cp in cp_sizes:
         cp_nodes, cp_per_node = (cp // per_node, per_node) if cp >= per_node else (1, cp)
@@ -530,26 +567,117 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
              f"{'cp':>4} {'dp':>3} {'layout':>10} {'inner':>5} {'attn fwd ms':>11} {'attn bwd ms':>11} "
              f"{'exposed comm ms':>15} {'step s':>7} {'tokens/s':>9} {'GiB/GPU':>7}"]
     for c in p["candidates"]:
+        note = "" if c["fits"] else "  (with activation offload)" if c["offload"] else "  (does not fit)"
         lines.append(f"{c['cp']:>4} {c['dp']:>3} {c['layout']:>10} {c['inner']:>5} {c['fwd_s'] * 1e3:>11.1f} "
                      f"{c['bwd_s'] * 1e3:>11.1f} {(c['fwd_exposed_comm_s'] + c['bwd_exposed_comm_s']) * 1e3:>15.1f} "
-                     f"{c['step_s']:>7.2f} {c['tokens_per_s']:>9.0f} {c['memory']['total_gib']:>7.1f}"
-                     + ("" if c["fits"] else "  (does not fit)"))
-    fits = "fits" if b["fits"] else f"does NOT fit {hw.gpu_mem_gib:.0f} GiB (nothing does: try --fsdp)"
-    cp_per_node = min(b["cp"], per_node)
-    inner_arg = "None (one node)" if b["inner"] == cp_per_node and b["cp"] > cp_per_node else str(b["inner"])
+                     f"{c['step_s']:>7.2f} {c['tokens_per_s']:>9.0f} {c['memory']['total_gib']:>7.1f}" + note)
+    if b["fits"]:
+        fits = "fits"
+    elif b["offload"]:
+        fits = "fits with activation offload (offload_activations=True; its host-device copies are not modelled)"
+    else:
+        fits = (f"does NOT fit {hw.gpu_mem_gib:.0f} GiB, even with activation offload (nothing does: try --fsdp, more "
+                "GPUs or fewer tokens)")
     lines += [
         f"best dense ring: context_parallel_size={d['cp']} (x {d['dp']} data-parallel), step {d['step_s']:.2f} s, "
         f"{d['tokens_per_s']:.0f} tokens/s" + ("" if d["fits"] else " (does not fit)"),
         f"best: context_parallel_size={b['cp']} (x {b['dp']} data-parallel), layout={b['layout']!r}, "
-        f"inner_ring_size={inner_arg}: step {b['step_s']:.2f} s, {b['tokens_per_s']:.0f} tokens/s "
-        f"({b['tokens_per_s'] / d['tokens_per_s']:.2f}x the dense ring); pattern density {b['density']:.3f} "
-        "(synthetic fixed budgets)",
+        f"inner_ring_size={b['inner']} ({_ring_words(b['cp'], b['inner'], per_node)}): step {b['step_s']:.2f} s, "
+        f"{b['tokens_per_s']:.0f} tokens/s ({b['tokens_per_s'] / d['tokens_per_s']:.2f}x the dense ring); pattern "
+        f"density {b['density']:.3f} (synthetic fixed budgets)",
         f"memory per GPU: {m['total_gib']:.1f} GiB ({m['states_gib']:.1f} model states + {m['activations_gib']:.1f} "
-        f"activations): {fits}",
-        f"MTrainingStrategy(context_parallel_size={b['cp']}, inner_ring_size={inner_arg}, layout={b['layout']!r}, "
-        "sparsity=SparsityConfig(...))",
+        f"activations, checkpointed{', offloaded' if m.get('offload') else ''}): {fits}",
     ]
     return "\n".join(lines)
+
+
+def _ring_words(cp: int, inner: int, per_node: int) -> str:
+    """Where the candidate's rings run (CP groups are consecutive ranks; a node holds ``per_node`` of them)."""
+    in_a_node = per_node % cp == 0
+    if inner == cp:
+        return "flat ring within a node" if in_a_node else "flat ring across nodes"
+    if in_a_node:
+        return f"hierarchical: {cp // inner} outer x {inner} inner, all within a node"
+    return f"hierarchical: {cp // inner} outer across nodes x {inner} inner within a node"
+
+
+# --- the plan as a LightningCLI config (examples/cli.py) ------------------------------------------------------------
+
+# examples/cli.py's StdlibBytesDataModule reads these standard-library packages (about 4 MB of source; the text
+# repeats when a run needs more windows than it holds). Replace the data section with your own LightningDataModule.
+DATA_PACKAGES = ["json", "email", "asyncio", "unittest", "multiprocessing", "xml", "concurrent", "encodings"]
+CPU_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "vocab_size": 256}
+
+
+def precision_of(bytes_per_param: float) -> str:
+    """The Trainer precision whose model states the memory model counts: 16 bytes a parameter are float32 weights,
+    gradients and Adam moments (``bf16-mixed``); fewer, bfloat16 weights (``bf16-true``)."""
+    return "bf16-mixed" if bytes_per_param >= 12 else "bf16-true"
+
+
+def plan_config(p: dict, shape_name: str, shape: ModelShape, seq_len: int, nodes: int, per_node: int, *,
+                bytes_per_param: float = 16.0, fsdp: bool = False, max_steps: int = 100, cpu: bool = False) -> dict:
+    """The plan's best candidate as a config for ``python examples/cli.py fit --config``: the strategy with its CP
+    size, inner ring, layout and sparsity (the paper's top-p 0.9, caps 4096), activation checkpointing (the step time
+    assumes it) and offload where memory needs it; the Trainer with devices and nodes; the model's shape; the data.
+
+    ``cpu=True``: the same world, strategy and ring on CPU processes, scaled down to run anywhere (a tiny model of the
+    same family, ``2 x cp x block`` - 1 tokens, float32, 2 steps, no logger or checkpoints)."""
+    from lightning_mtraining.strategies.launch import trainer_config
+
+    b = p["best"]
+    family = "llama" if "llama" in shape_name.lower() else "qwen2"
+    if not cpu and shape.hidden != shape.heads * shape.head_dim:
+        raise ValueError(f"examples/cli.py's model derives head_dim = hidden / heads = {shape.hidden // shape.heads}, "
+                         f"not {shape.head_dim}: give --hidden and --heads with hidden = heads x head_dim")
+    block = 128
+    common = dict(nodes=nodes, devices=per_node, context_parallel_size=b["cp"], inner_ring_size=b["inner"],
+                  layout=b["layout"], block_size=block, activation_checkpointing=True,
+                  offload_activations=bool(b["offload"]), fsdp=fsdp)
+    if cpu:
+        trainer = trainer_config(**common, accelerator="cpu", precision="32-true", max_steps=2, limit_val_batches=0,
+                                 num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                                 enable_model_summary=False)
+        model = {"family": family, **CPU_MODEL, "max_position_embeddings": 4096, "lr": 1e-3}
+        data = {"packages": ["json", "email"], "seq_len": 2 * b["cp"] * block - 1, "batch_size": 1,
+                "num_samples": 1 + 2 * b["dp"]}
+    else:
+        trainer = trainer_config(**common, accelerator="gpu", precision=precision_of(bytes_per_param),
+                                 max_steps=max_steps, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
+                                 enable_checkpointing=False, default_root_dir="lightning_logs/plan")
+        model = {"family": family, "vocab_size": shape.vocab, "hidden_size": shape.hidden,
+                 "intermediate_size": shape.ffn, "num_layers": shape.layers, "num_heads": shape.heads,
+                 "num_kv_heads": shape.kv_heads, "tie_word_embeddings": shape.tied,
+                 "max_position_embeddings": seq_len, "lr": 3e-4}
+        data = {"packages": DATA_PACKAGES, "seq_len": seq_len, "batch_size": 1, "num_samples": 1 + 4 * b["dp"]}
+    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
+
+
+def config_comments(p: dict, plan_text: str, command: str, config_path: str | None, nodes: int, per_node: int,
+                    cpu: bool) -> list[str]:
+    """The header of the emitted config: how it was made, what the model predicts, how to launch it."""
+    from lightning_mtraining.strategies.launch import launch_commands
+
+    b = p["best"]
+    path = config_path or "plan.yaml"
+    launch = launch_commands(f"examples/cli.py fit --config {path}", nodes=nodes, devices=per_node,
+                             machine=f"H100_X_{per_node}")
+    lines = [f"made by: {command}", ""]
+    if cpu:
+        lines += ["The CPU-sized variant of the plan below: the same world, strategy and ring on CPU processes, a tiny",
+                  "model and short sequences (to check the setup runs end to end, not to train).", ""]
+    lines += [line for line in plan_text.splitlines() if line.startswith(("plan:", "best", "memory"))]
+    lines += ["", f"predicted: step {b['step_s']:.2f} s, {b['tokens_per_s']:.0f} tokens/s over {nodes * per_node} GPUs "
+              "(a model, not a measurement: its work counts", "use fixed synthetic budgets; the config trains with "
+              "the paper's setting, top-p 0.9 with caps of 4096)", "", "launch (every machine runs the same command):"]
+    if nodes == 1:
+        lines += [f"  one machine:  {launch['python']}"]
+    lines += [f"  Lightning Studio:  {launch['studio']}",
+              f"  torchrun, on each node:  {launch['torchrun']}",
+              f"  SLURM, in an allocation of {nodes} node(s):  {launch['slurm']}",
+              "", "model and data: examples/cli.py's byte-level standard-library corpus; replace them with yours."]
+    return lines
 
 
 def _hardware(args) -> Hardware:
@@ -585,6 +713,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fsdp", action="store_true", help="model states sharded over every GPU (mtraining_fsdp)")
     ap.add_argument("--cp", type=int, nargs="+", help="plan: context-parallel sizes to try (default: all that fit "
                     "the node shape)")
+    ap.add_argument("--config-out", help="plan: also write the LightningCLI config (examples/cli.py) to this file")
+    ap.add_argument("--cpu", action="store_true", help="plan: emit the config's CPU-sized variant (same world, "
+                    "strategy and ring; a tiny model, short sequences, 2 steps)")
+    ap.add_argument("--max-steps", type=int, default=100, help="plan: the config's trainer.max_steps")
+    ap.add_argument("--studio-job", metavar="NAME", help="plan: submit the config as a Lightning Studio job of this "
+                    "name (needs lightning-sdk, --config-out inside the Studio, and --machine)")
+    ap.add_argument("--machine", help="plan: the Studio machine type, e.g. H100_X_8 (GPUs = --gpus-per-node)")
+    ap.add_argument("--studio", help="plan: the Studio whose environment the job runs in (default: this one)")
+    ap.add_argument("--teamspace", help="plan: the Studio's teamspace (default: the SDK's)")
     ap.add_argument("--out", help="JSON output")
     ap.add_argument("--plot", help="PNG of predicted tokens/s against GPUs (grid)")
     args = ap.parse_args(argv)
@@ -615,10 +752,30 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "plan":
         if len(args.tokens) != 1 or len(args.nodes) != 1:
             raise SystemExit("plan takes one --tokens and one --nodes")
-        res = plan(shape, hw, args.tokens[0], args.nodes[0], args.gpus_per_node, costs, rest, args.bytes_per_param,
-                   args.fsdp, cache, args.cp)
-        print(_fmt_plan(res, name, hw, args.tokens[0], args.nodes[0], args.gpus_per_node))
-        result = {"info": info, "plan": res}
+        tokens, nodes, per_node = args.tokens[0], args.nodes[0], args.gpus_per_node
+        if args.studio_job and not (args.config_out and args.machine):
+            raise SystemExit("--studio-job needs --config-out (a path the job can read, inside the Studio) and "
+                             "--machine (e.g. H100_X_8)")
+        res = plan(shape, hw, tokens, nodes, per_node, costs, rest, args.bytes_per_param, args.fsdp, cache, args.cp)
+        text = _fmt_plan(res, name, hw, tokens, nodes, per_node)
+        print(text)
+        from lightning_mtraining.strategies.launch import cli_command, submit_studio_job, to_yaml
+
+        config = plan_config(res, name, shape, tokens, nodes, per_node, bytes_per_param=args.bytes_per_param,
+                             fsdp=args.fsdp, max_steps=args.max_steps, cpu=args.cpu)
+        command = "python benchmarks/scale_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        yaml_text = to_yaml(config, config_comments(res, text, command, args.config_out, nodes, per_node, args.cpu))
+        print(f"\n--- LightningCLI config (python examples/cli.py fit --config {args.config_out or 'plan.yaml'}) ---")
+        print(yaml_text, end="")
+        if args.config_out:
+            Path(args.config_out).write_text(yaml_text)
+            print(f"--- written to {args.config_out} ---")
+        if args.studio_job:
+            job = submit_studio_job(cli_command(args.config_out), name=args.studio_job, machine=args.machine,
+                                    num_machines=nodes, devices=per_node, studio=args.studio,
+                                    teamspace=args.teamspace)
+            print(f"submitted Lightning Studio job {args.studio_job!r} on {nodes} x {args.machine}: {job}")
+        result = {"info": info, "plan": res, "config": config}
     else:
         rows = grid(shape, hw, args.tokens, args.nodes, args.gpus_per_node, costs, rest, cache)
         print(f"{'tokens':>8} {'GPUs':>4} {'method':>6} {'density':>7} {'fwd ms':>8} {'bwd ms':>8} {'exposed ms':>10} "

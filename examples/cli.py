@@ -37,6 +37,7 @@ class CausalLMModule(L.LightningModule):
         num_heads: int = 4,
         num_kv_heads: int = 2,
         max_position_embeddings: int = 131072,
+        tie_word_embeddings: bool = False,
         lr: float = 1e-3,
     ) -> None:
         super().__init__()
@@ -53,7 +54,7 @@ class CausalLMModule(L.LightningModule):
         config = config_cls(
             vocab_size=hp.vocab_size, hidden_size=hp.hidden_size, intermediate_size=hp.intermediate_size,
             num_hidden_layers=hp.num_layers, num_attention_heads=hp.num_heads, num_key_value_heads=hp.num_kv_heads,
-            max_position_embeddings=hp.max_position_embeddings,
+            max_position_embeddings=hp.max_position_embeddings, tie_word_embeddings=hp.tie_word_embeddings,
         )
         self.model = AutoModelForCausalLM.from_config(config)
 
@@ -70,7 +71,8 @@ class CausalLMModule(L.LightningModule):
 
 
 class StdlibBytesDataModule(L.LightningDataModule):
-    """Windows of ``seq_len`` byte tokens from the source of a few standard-library packages."""
+    """``num_samples`` windows of ``seq_len`` byte tokens from the source of a few standard-library packages (the
+    text repeats when it holds fewer; the first window is the validation set, the others the training set)."""
 
     def __init__(
         self,
@@ -91,9 +93,16 @@ class StdlibBytesDataModule(L.LightningDataModule):
                     if name.endswith(".py"):
                         with open(os.path.join(dirpath, name), "rb") as f:
                             text += f.read()
+        if not text:
+            raise ValueError(f"StdlibBytesDataModule: no .py files under {root} for packages={self.packages}")
+        if self.num_samples < 2:
+            raise ValueError(f"StdlibBytesDataModule(num_samples={self.num_samples}): one window validates, the "
+                             "others train; use num_samples >= 2")
         tokens = torch.frombuffer(text, dtype=torch.uint8).long()
-        n = min(self.num_samples, len(tokens) // self.seq_len)
-        windows = tokens[: n * self.seq_len].view(n, self.seq_len)
+        n, needed = self.num_samples, self.num_samples * self.seq_len
+        if len(tokens) < needed:  # long sequences (a cluster plan's) from a small corpus: the text repeats
+            tokens = tokens.repeat(-(-needed // len(tokens)))
+        windows = tokens[:needed].view(n, self.seq_len)
         self.samples = [{"input_ids": w, "labels": w} for w in windows]
 
     def train_dataloader(self) -> DataLoader:

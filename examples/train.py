@@ -18,9 +18,10 @@ Scaled up, e.g. one node of 8 GPUs, 4-way context parallel x 2-way data parallel
         --seq-len 131072 --model-size 0.5b --precision bf16-mixed --max-steps 1000 --lr 3e-4 \\
         --sparsity paper --tile-size 128
 
-Multi-node: the same command on every node with ``--num-nodes N`` under torchrun or SLURM (Lightning's
-cluster environments pick up the ranks), e.g. ``torchrun --nnodes 2 --node-rank R --nproc-per-node 8
---master-addr HOST examples/train.py --accelerator gpu --devices 8 --num-nodes 2 ...``.
+Multi-node: the same command on every node with ``--num-nodes N`` under torchrun, SLURM or a Lightning Studio
+multi-machine job (Lightning's cluster environments pick up the ranks; README "From one GPU to a cluster"), e.g.
+``torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HOST examples/train.py --accelerator gpu
+--devices 8 --num-nodes 2 ...``.
 
 Logged each step (progress bar and a CSV logger under ``lightning_logs/train``): ``loss`` (the
 token-weighted loss over the whole world, exact under context parallelism), ``ppl`` (its exp) and

@@ -119,12 +119,17 @@ def resolve_context_parallel_size(context_parallel_size: int | str, world_size: 
 def resolve_inner_ring_size(inner_ring_size: int | None, cp_size: int, ranks_per_node: int) -> int:
     """Ranks per inner (intra-node) ring; equal to ``cp_size`` means a flat ring.
 
-    ``None``: one node's ranks when the CP group spans several whole nodes, else the whole CP group.
+    ``None``: a flat ring when every CP group lies inside one node (``cp_size`` divides ``ranks_per_node``); else
+    the hierarchical ring with inner rings as large as fit inside a node, ``gcd(cp_size, ranks_per_node)`` ranks
+    (one node's ranks when the CP group spans whole nodes), so that only the outer ring crosses nodes. CP groups are
+    consecutive global ranks and nodes hold consecutive blocks of ``ranks_per_node`` ranks, so inner rings of that
+    size never straddle two nodes. A flat ring when that size is 1.
     """
     if inner_ring_size is None:
-        if cp_size > ranks_per_node and cp_size % ranks_per_node == 0:
-            return ranks_per_node
-        return cp_size
+        if ranks_per_node % cp_size == 0:
+            return cp_size
+        inner = math.gcd(cp_size, ranks_per_node)
+        return inner if inner > 1 else cp_size
     if cp_size % inner_ring_size:
         raise ValueError(
             f"inner_ring_size={inner_ring_size} does not divide context_parallel_size={cp_size}; the CP group is "
@@ -134,22 +139,51 @@ def resolve_inner_ring_size(inner_ring_size: int | None, cp_size: int, ranks_per
 
 
 def describe_mesh(owner: str, world_size: int, cp_size: int, inner_size: int, layout: str, block_size: int,
-                  dp_replicate: int = 1, tp: int = 1) -> str:
-    """One line for the log: ``world 4 = dp 2 x cp 2, flat ring of 2, striped layout (block 128)`` (with tensor
-    parallel or replicas: ``world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x tp 2, ...``)."""
-    if 1 < inner_size < cp_size:
-        ring = f"hierarchical ring: {cp_size // inner_size} outer x {inner_size} inner"
-    elif cp_size > 1:
-        ring = f"flat ring of {cp_size}"
-    else:
-        ring = "no context parallelism (plain data parallel)"
+                  dp_replicate: int = 1, tp: int = 1, num_nodes: int = 1) -> str:
+    """One line for the log: ``world 4 = dp 2 x cp 2, flat ring of 2, striped layout (block 128)``; with tensor
+    parallel or replicas ``world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x tp 2, ...``.
+
+    On several nodes (``num_nodes`` nodes of ``world_size / num_nodes`` ranks) it also says where the rings run:
+    ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer (across nodes) x 8 inner (within a node),
+    ...``.
+    """
+    world = f"world {world_size}"
+    per_node = None
+    if num_nodes > 1 and world_size % num_nodes == 0:
+        per_node = world_size // num_nodes
+        world += f" ({num_nodes} nodes x {per_node})"
     unit = f" (block {block_size})" if layout == "striped" else ""
+    ring = _ring_phrase(cp_size, inner_size, per_node, tp)
     if tp > 1 or dp_replicate > 1:
         shard = world_size // (dp_replicate * cp_size * tp)
         sizes = f"dp_replicate {dp_replicate} x dp_shard {shard} x cp {cp_size} x tp {tp}"
     else:
         sizes = f"dp {world_size // cp_size} x cp {cp_size}"
-    return f"{owner}: world {world_size} = {sizes}, {ring}, {layout} layout{unit}"
+    return f"{owner}: {world} = {sizes}, {ring}, {layout} layout{unit}"
+
+
+def _ring_phrase(cp_size: int, inner_size: int, per_node: int | None, tp: int = 1) -> str:
+    """The ring part of :func:`describe_mesh`; with ``per_node`` (ranks per node, several nodes) also where its hops
+    run. CP groups are consecutive global ranks (strided by ``tp`` with tensor parallel) and node ``n`` holds ranks
+    ``n * per_node ...``, so a CP group (an inner ring) lies inside one node exactly when its span divides
+    ``per_node``."""
+    if cp_size == 1:
+        return "no context parallelism (plain data parallel)"
+    if not 1 < inner_size < cp_size:
+        if per_node is None:
+            return f"flat ring of {cp_size}"
+        if per_node % (cp_size * tp) == 0:
+            return f"flat ring of {cp_size} within a node"
+        return f"flat ring of {cp_size} across nodes (every ring step waits on the inter-node link)"
+    outer = cp_size // inner_size
+    if per_node is None:
+        return f"hierarchical ring: {outer} outer x {inner_size} inner"
+    if per_node % cp_size == 0:
+        return f"hierarchical ring: {outer} outer x {inner_size} inner (all within a node)"
+    if per_node % inner_size == 0:
+        return f"hierarchical ring: {outer} outer (across nodes) x {inner_size} inner (within a node)"
+    spans = -(-inner_size // per_node)
+    return f"hierarchical ring: {outer} outer x {inner_size} inner (an inner ring spans {spans} nodes)"
 
 
 def build_context_parallel(

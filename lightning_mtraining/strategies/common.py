@@ -32,6 +32,7 @@ from lightning_mtraining.hf.losses import is_marked_loss, unmarked_loss_message
 from lightning_mtraining.hf.model import PreparedModel, find_hf_models, validate_model
 from lightning_mtraining.hf.parallel import ContextParallel, check_sparsity_args
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
+from lightning_mtraining.strategies.launch import check_node_layout
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
 __all__ = ["ContextParallelMixin", "option_view"]
@@ -162,6 +163,7 @@ class ContextParallelMixin:
 
     def _build_context_parallel(self) -> None:
         cp_size, inner = self.cp_size, self.inner_ring_size  # raise on bad sizes before any collective
+        self._check_node_layout()
         o = self.options
         self._device_mesh, self._plan = build_context_parallel(
             self.root_device.type, self.world_size, cp_size, inner, o.layout, o.block_size,
@@ -170,10 +172,19 @@ class ContextParallelMixin:
             self._exit_state = {"interrupted": False, "release": weakref.WeakMethod(self._release_process_groups)}
             atexit.register(_destroy_process_group_at_exit, self._exit_state)
         mesh = describe_mesh(type(self).__name__, self.world_size, cp_size, inner, o.layout, o.block_size,
-                             o.data_parallel_replicate_size, o.tensor_parallel_size)
+                             o.data_parallel_replicate_size, o.tensor_parallel_size, num_nodes=self.num_nodes)
         if mesh != self._logged_mesh:  # once per strategy, not again for each of fit/validate/test/predict
             self._logged_mesh = mesh
             rank_zero_info(mesh)
+
+    def _check_node_layout(self) -> None:
+        """This rank's node, as the cluster environment reports it, must be the one its CP group and inner ring are
+        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.launch`)."""
+        environment = getattr(self, "cluster_environment", None)
+        if environment is None or self.world_size == 1:
+            return
+        check_node_layout(environment.node_rank(), self.global_rank, max(self.num_processes, 1), self.num_nodes,
+                          type(environment).__name__, type(self).__name__)
 
     def _release_process_groups(self) -> None:
         """Drop the mesh and the plan's groups (at exit, after ``destroy_process_group``: see the exit hook)."""

@@ -48,8 +48,9 @@ FIELD_DOCS: dict[str, str] = {
         "ranks that share one sequence; ``\"auto\"`` = all ranks. Must divide the world (``num_nodes x devices``); "
         "the quotient is the data-parallel size."),
     "inner_ring_size": (
-        "ranks of one inner ring of hierarchical ring attention; ``None`` = one node's ranks when the CP group spans "
-        "several nodes (flat ring otherwise)."),
+        "ranks of one inner ring of hierarchical ring attention; ``None``: a flat ring when each CP group lies "
+        "inside a node, else inner rings as large as fit inside a node (one node's ranks when a CP group spans whole "
+        "nodes), so only the outer ring crosses nodes; rank 0's mesh line says where each ring runs."),
     "layout": "token layout of the shards (``\"striped\"`` balances causal and vertical-slash work).",
     "block_size": "block of the striped layout (sequences are padded to ``cp_size x block_size``).",
     "sparsity": (

@@ -61,7 +61,8 @@ def test_sizes_must_fit_world():
         resolve_context_parallel_size(4, 6)
     assert resolve_inner_ring_size(None, 8, 4) == 4  # spans two nodes: one inner ring per node
     assert resolve_inner_ring_size(None, 4, 8) == 4  # fits in a node: flat ring
-    assert resolve_inner_ring_size(None, 6, 4) == 6  # does not split into whole nodes: flat ring
+    assert resolve_inner_ring_size(None, 6, 4) == 2  # spans nodes unevenly: inner rings of gcd(6, 4) in a node
+    assert resolve_inner_ring_size(None, 3, 2) == 3  # gcd 1: no inner ring fits a node, flat ring
     with pytest.raises(ValueError, match="inner_ring_size=4 does not divide context_parallel_size=6"):
         resolve_inner_ring_size(4, 6, 8)
 

@@ -1,0 +1,322 @@
+"""From "N machines of G GPUs" to a running job: which world each launcher gives the strategy, the check that the
+launcher's nodes are the ones the rings are cut for, a plan written as a LightningCLI config, the launch commands,
+and an optional Lightning Studio job submission.
+
+Note [Launchers and cluster environments]
+-----------------------------------------
+The strategies never read launcher variables themselves: Lightning picks a cluster environment at ``Trainer(...)``
+(or ``Fabric(...)``), the first that detects itself in the order below (LSF and MPI come between SLURM and the
+default), and the strategy takes the world size, the global rank and the node rank from it::
+
+    launcher                      detected as (by)                      what Lightning reads
+    ----------------------------  ------------------------------------  --------------------------------------------
+    torchrun --nnodes N            TorchElasticEnvironment               RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK
+      --nproc-per-node G           (TORCHELASTIC_RUN_ID is set)          (the node), MASTER_ADDR, MASTER_PORT
+    srun (SLURM), N nodes with     SLURMEnvironment                      SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS,
+      --ntasks-per-node G          (SLURM_NTASKS is set, job name not    SLURM_NODEID; MASTER_ADDR is the first host
+                                   "bash" or "interactive")              of SLURM_NODELIST, MASTER_PORT from the job id
+    Lightning Studio multi-        LightningEnvironment (the default)    NODE_RANK, MASTER_ADDR, MASTER_PORT; Lightning
+      machine job, or plain                                              starts the machine's G processes itself (the
+      ``python`` on each machine                                         others with LOCAL_RANK set)
+
+``Trainer(devices=G, num_nodes=N)`` says how many processes a node runs and how many nodes there are. Lightning
+checks ``G x N`` against torchrun's WORLD_SIZE and, under SLURM, ``G`` against ``--ntasks-per-node`` and ``N``
+against ``--nodes``. A CP group is ``cp`` consecutive global ranks and an inner ring ``inner_ring_size`` consecutive
+ranks of it, so they stay inside a node only if node ``n`` holds global ranks ``n G .. n G + G - 1``: the strategies
+check exactly that for every rank before building the mesh (:func:`check_node_layout`). It fails when ``devices``
+differs from the launcher's processes per node (``torchrun --nproc-per-node 4`` under ``Trainer(devices=8,
+num_nodes=1)`` passes Lightning's check on a world of 8) or when the launcher numbers ranks round-robin over nodes
+(``srun --distribution=cyclic``).
+
+With ``num_nodes > 1`` and ``inner_ring_size=None``, a CP group that spans nodes runs the hierarchical ring with its
+inner rings inside a node (:func:`~lightning_mtraining.distributed.mesh.resolve_inner_ring_size`), and rank 0's
+mesh line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer
+(across nodes) x 8 inner (within a node), striped layout (block 128)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_mtraining.distributed.mesh import resolve_context_parallel_size, resolve_inner_ring_size
+from lightning_mtraining.hf.parallel import check_sparsity_args
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
+from lightning_mtraining.strategies.options import ContextParallelOptions
+
+__all__ = [
+    "check_node_layout",
+    "cli_command",
+    "launch_commands",
+    "machine_gpus",
+    "sparsity_init",
+    "studio_job_request",
+    "submit_studio_job",
+    "to_yaml",
+    "trainer_config",
+]
+
+
+def check_node_layout(node_rank: int, global_rank: int, ranks_per_node: int, num_nodes: int, environment: str,
+                      owner: str) -> None:
+    """Raise ValueError when this rank runs on another node than ``global_rank // ranks_per_node``, the node the
+    strategy cuts CP groups and inner rings by (Note [Launchers and cluster environments]).
+
+    ``node_rank``: the node the cluster environment (named ``environment``) reports for this process;
+    ``ranks_per_node`` and ``num_nodes``: ``Trainer(devices=..., num_nodes=...)``.
+    """
+    expected = global_rank // ranks_per_node
+    if node_rank == expected:
+        return
+    raise ValueError(
+        f"{owner}: global rank {global_rank} runs on node {node_rank} ({environment}), but with devices="
+        f"{ranks_per_node} and num_nodes={num_nodes} the strategy takes node {expected} to hold ranks "
+        f"{expected * ranks_per_node}..{expected * ranks_per_node + ranks_per_node - 1}: its context-parallel groups "
+        "and inner rings would straddle nodes. Set devices to the processes the launcher starts on each node "
+        "(torchrun --nproc-per-node, SLURM --ntasks-per-node) and num_nodes to the number of nodes; under SLURM keep "
+        "the default block distribution of tasks (not --distribution=cyclic)"
+    )
+
+
+def sparsity_init(sparsity: SparsityConfig | None) -> dict[str, Any] | None:
+    """``sparsity`` as LightningCLI writes a class: ``{"class_path": ..., "init_args": {...}}`` (``None``: dense).
+
+    ``init_args`` holds the selection mode's own budgets (``top_p`` and the caps, or the two top-k budgets) and every
+    other field that differs from its default, so the config reads as what it trains with.
+    """
+    if sparsity is None:
+        return None
+    if not isinstance(sparsity, SparsityConfig):
+        raise TypeError(f"sparsity must be a SparsityConfig or None, got {type(sparsity).__name__}")
+    mode = ("top_p", "max_vertical", "max_slash") if sparsity.top_p is not None else ("vertical_topk", "slash_topk")
+    args: dict[str, Any] = {}
+    for field in dataclasses.fields(SparsityConfig):
+        value = getattr(sparsity, field.name)
+        if field.name == "budgets" and value is not None:  # normalised to ((layer, ((v, s), ...)), ...)
+            value = {layer: pairs for layer, pairs in value}
+        if field.name in mode or value != field.default:
+            args[field.name] = _plain(value)
+    return {"class_path": "lightning_mtraining.SparsityConfig", "init_args": args}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists, all the way down (YAML writes lists; the config classes take either)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def trainer_config(
+    *,
+    nodes: int,
+    devices: int,
+    context_parallel_size: int,
+    inner_ring_size: int | None = None,
+    layout: str = "striped",
+    block_size: int = 128,
+    sparsity: SparsityConfig | None = PAPER_SPARSITY,
+    activation_checkpointing: bool = True,
+    offload_activations: bool = False,
+    fsdp: bool = False,
+    accelerator: str = "gpu",
+    precision: str = "bf16-mixed",
+    **trainer_args: Any,
+) -> dict[str, Any]:
+    """The ``trainer:`` section of a LightningCLI config that runs the mtraining strategy on ``nodes`` machines of
+    ``devices`` processes each.
+
+    Args:
+        nodes: machines (``Trainer(num_nodes=...)``).
+        devices: processes per machine, one per GPU (``Trainer(devices=...)``).
+        context_parallel_size: ranks sharing one sequence; must divide ``nodes x devices`` (the rest is data
+            parallel).
+        inner_ring_size: ranks of an inner ring of the hierarchical ring (written out, so the config says which
+            ring runs); ``None``: the strategy's default for this world (inner rings inside a node).
+        layout, block_size, sparsity, activation_checkpointing, offload_activations: the strategy's options.
+        fsdp: ``MTrainingFSDPStrategy`` (parameters, gradients and optimizer state sharded over all ranks) instead
+            of ``MTrainingStrategy`` (replicated, DDP).
+        accelerator, precision: the Trainer's.
+        **trainer_args: further Trainer arguments (``max_steps=...``), written after the others.
+
+    Raises ValueError (with the values) when the CP size does not divide the world, the inner ring the CP size, or
+    an option is one the strategy would refuse.
+    """
+    for name, value in (("nodes", nodes), ("devices", devices), ("context_parallel_size", context_parallel_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer_config: {name} must be a positive int, got {value!r}")
+    world = nodes * devices
+    cp = resolve_context_parallel_size(context_parallel_size, world)
+    inner = resolve_inner_ring_size(inner_ring_size, cp, devices)
+    owner = "trainer_config"
+    ContextParallelOptions(context_parallel_size=cp, inner_ring_size=inner, layout=layout, block_size=block_size,  # type: ignore[arg-type]
+                           sparsity=sparsity, activation_checkpointing=activation_checkpointing,
+                           offload_activations=offload_activations, owner=owner)
+    check_sparsity_args(owner, [sparsity], layout, block_size)
+    strategy = "MTrainingFSDPStrategy" if fsdp else "MTrainingStrategy"
+    init_args: dict[str, Any] = {
+        "context_parallel_size": cp,
+        "inner_ring_size": inner,
+        "layout": layout,
+        "block_size": block_size,
+        "sparsity": sparsity_init(sparsity),
+        "activation_checkpointing": activation_checkpointing,
+        "offload_activations": offload_activations,
+    }
+    return {
+        "accelerator": accelerator,
+        "devices": devices,
+        "num_nodes": nodes,
+        "precision": precision,
+        "strategy": {"class_path": f"lightning_mtraining.{strategy}", "init_args": init_args},
+        **trainer_args,
+    }
+
+
+def to_yaml(config: Mapping[str, Any], comments: str | list[str] = ()) -> str:
+    """``config`` as YAML in its own key order, under ``comments`` (each line written as a ``#`` comment)."""
+    import yaml  # a dependency of Lightning (LightningCLI reads YAML with it)
+
+    lines = comments.splitlines() if isinstance(comments, str) else list(comments)
+    header = "".join(f"# {line}".rstrip() + "\n" for line in lines)
+    return header + yaml.safe_dump(dict(config), sort_keys=False, default_flow_style=False, width=110)
+
+
+def cli_command(config_path: str | Path, script: str = "examples/cli.py", python: str = "python") -> str:
+    """``python examples/cli.py fit --config PATH``: the command every launcher below runs on each machine."""
+    return f"{python} {shlex.quote(str(script))} fit --config {shlex.quote(str(config_path))}"
+
+
+def launch_commands(
+    script_args: str,
+    *,
+    nodes: int,
+    devices: int,
+    master_port: int = 29500,
+    machine: str = "H100_X_8",
+    studio: str = "MY_STUDIO",
+    name: str = "mtraining",
+) -> dict[str, str]:
+    """How to start ``script_args`` (a script and its arguments, e.g. ``examples/cli.py fit --config plan.yaml``) on
+    ``nodes`` machines of ``devices`` processes, keyed by launcher:
+
+    - ``"python"``: one machine; Lightning starts the ``devices`` processes itself;
+    - ``"studio"``: a Lightning Studio multi-machine job (the ``lightning`` command of the Lightning SDK; the platform
+      runs the command once per machine, Lightning starts the processes there);
+    - ``"torchrun"``: run on every node, with ``NODE_RANK`` (0 .. nodes - 1) and ``MASTER_ADDR`` (node 0's address)
+      set in the shell;
+    - ``"slurm"``: run inside an allocation of ``nodes`` nodes (``sbatch`` / ``salloc``), one task per GPU.
+    """
+    python = f"python {script_args}"
+    commands = {"python": python}
+    commands["studio"] = (f"lightning job run --name {name} --num-machines {nodes} --machine {machine} "
+                          f"--studio {studio} --command {shlex.quote(python)}")
+    if nodes == 1:
+        commands["torchrun"] = f"torchrun --nproc-per-node {devices} {script_args}"
+    else:
+        commands["torchrun"] = (f"torchrun --nnodes {nodes} --nproc-per-node {devices} --node-rank $NODE_RANK "
+                                f"--master-addr $MASTER_ADDR --master-port {master_port} {script_args}")
+    commands["slurm"] = f"srun --nodes {nodes} --ntasks-per-node {devices} {python}"
+    return commands
+
+
+def machine_gpus(machine: Any) -> int | None:
+    """GPUs of a Lightning Studio machine: its ``accelerator_count`` (a ``lightning_sdk.Machine``), or from a name
+    such as ``"H100_X_8"`` (8) or ``"H100"`` (1); ``None`` for a CPU machine (whose ``accelerator_count`` counts
+    CPUs) or a name that says nothing."""
+    name = str(getattr(machine, "name", machine)).upper()
+    family = str(getattr(machine, "family", "") or "").upper()
+    if name.startswith(("CPU", "DATA")) or family in ("CPU", "DATA-PREP"):
+        return None
+    count = getattr(machine, "accelerator_count", None)
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count
+    found = re.search(r"_X_(\d+)$", name)
+    if found:
+        return int(found.group(1))
+    return 1 if re.match(r"^[A-Z]+\d+", name) else None
+
+
+def studio_job_request(
+    command: str,
+    *,
+    name: str,
+    machine: Any,
+    num_machines: int,
+    devices: int | None = None,
+    studio: Any = None,
+    teamspace: Any = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    **job_args: Any,
+) -> dict[str, Any]:
+    """The keyword arguments of ``lightning_sdk.Job.run`` for a job that runs ``command`` on ``num_machines``
+    machines of type ``machine`` in the environment of ``studio`` (:func:`submit_studio_job` submits it).
+
+    The platform starts ``command`` once on every machine; under Lightning's default cluster environment the Trainer
+    reads the machine's rank and the main address from the variables the platform sets (Note [Launchers and cluster
+    environments]) and starts one process per GPU. ``command`` must therefore be a plain ``python`` command whose
+    Trainer has ``devices`` equal to the machine's GPUs and ``num_nodes`` equal to ``num_machines``.
+
+    Args:
+        command: the shell command, e.g. :func:`cli_command` ``("plan.yaml")``.
+        name: the job's name (unique in the teamspace).
+        machine: a ``lightning_sdk.Machine`` or its name, e.g. ``"H100_X_8"``.
+        num_machines: machines (``num_nodes`` of the Trainer).
+        devices: the Trainer's ``devices``; checked against the machine's GPUs when both are known.
+        studio: the Studio (or its name) whose environment and files the job runs with; ``None`` lets the SDK pick
+            the Studio this code runs in.
+        teamspace: the teamspace (name or object); ``None``: the SDK's default.
+        env: environment variables for the job.
+        cwd: a folder to ``cd`` into first (the paths in ``command`` are relative to it).
+        **job_args: other ``Job.run`` arguments (``interruptible=True``, ``max_runtime=...``), passed as they are.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"studio_job_request: name must be a non-empty string (the job's name), got {name!r}")
+    if not isinstance(command, str) or not command.strip():
+        raise ValueError(f"studio_job_request: command must be a non-empty shell command, got {command!r}")
+    if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
+        raise ValueError(f"studio_job_request: num_machines must be a positive int, got {num_machines!r}")
+    gpus = machine_gpus(machine)
+    if devices is not None and gpus is not None and devices != gpus:
+        raise ValueError(
+            f"studio_job_request: the Trainer runs devices={devices} processes per machine but machine "
+            f"{getattr(machine, 'name', machine)!r} has {gpus} GPUs; pick a machine with {devices} GPUs (e.g. "
+            f"'H100_X_{devices}') or plan for {gpus} GPUs per node"
+        )
+    if cwd is not None:
+        command = f"cd {shlex.quote(cwd)} && {command}"
+    request: dict[str, Any] = {"name": name, "machine": machine, "command": command, "num_machines": num_machines}
+    if studio is not None:
+        request["studio"] = studio
+    if teamspace is not None:
+        request["teamspace"] = teamspace
+    if env:
+        request["env"] = dict(env)
+    request.update(job_args)
+    return request
+
+
+def _lightning_sdk() -> Any:
+    try:
+        import lightning_sdk
+    except ImportError as error:
+        raise ImportError(
+            "submit_studio_job needs the Lightning SDK, which is not installed: pip install lightning-sdk (or "
+            "pip install 'lightning-mtraining[studio]'), then log in with `lightning login` or set "
+            "LIGHTNING_USER_ID and LIGHTNING_API_KEY (inside a Studio they are set)"
+        ) from error
+    return lightning_sdk
+
+
+def submit_studio_job(command: str, **request: Any) -> Any:
+    """Submit a Lightning Studio (multi-machine) job that runs ``command``: ``lightning_sdk.Job.run(**``
+    :func:`studio_job_request` ``(command, **request))``; returns the SDK's ``Job``. Needs ``lightning-sdk``
+    (imported here, not at package import) and a Lightning AI login."""
+    job_request = studio_job_request(command, **request)
+    return _lightning_sdk().Job.run(**job_request)
