@@ -162,9 +162,13 @@ class SparseAttentionCallback(Callback):
             self._recall.reset()
             logged.update({f"attention/recall/layer_{i}": recall[i] for i in recalls})
             logged["attention/recall"] = sum(float(recall[i]) for i in recalls) / len(recalls)
-        imbalance = sum(s.step_max for s in stats.values()) / max(1.0, sum(s.step_mean for s in stats.values()))
+        mean = sum(s.step_mean for s in stats.values())
+        imbalance = sum(s.step_max for s in stats.values()) / mean if mean > 0 else 1.0
         pl_module.log("attention/imbalance", imbalance, prog_bar=self.prog_bar, sync_dist=True, on_step=True,
                       on_epoch=False)
+        # layers whose pattern allowed more than dense_above of the pairs ran dense (the same on every rank)
+        pl_module.log("attention/dense_fallback", float(sum(s.dense_fallback for s in stats.values())),
+                      prog_bar=False, on_step=True, on_epoch=False)
         headline = {k: v for k, v in logged.items() if k in _HEADLINE}
         layers = {k: v for k, v in logged.items() if k not in _HEADLINE}
         # already world values (the metrics synced them): no sync_dist

@@ -48,9 +48,11 @@ class RingAttentionConfig:
     layer_key: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
 
-def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling, as_op: bool = False) -> Any:
-    """What this layer's ring attention runs now: None (dense) or the forward's ``VerticalSlashPattern``; with
-    ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
+def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling,
+                   as_op: bool = False) -> tuple[Any, float | None]:
+    """What this layer's ring attention runs now: ``(None, None)`` (dense) or the forward's ``VerticalSlashPattern``
+    and the config's ``dense_above`` (the ring runs dense instead of a pattern that allows more than that share of
+    the pairs); with ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
 
     Sparse per the schedule (:mod:`lightning_mtraining.sparsity.schedule`): the layer's config, dense layers, the dense
     warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
@@ -68,12 +70,12 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
     else:
         sparsity = schedule.config_for(layer_idx)
     if sparsity is None:
-        return None
+        return None, None
     n_total = query.shape[2] * cfg.cp_size
     current = plan.current if plan is not None else None
     lengths = list(current.lengths) if current is not None and current.lengths else [n_total] * query.shape[0]
     if min(lengths) < sparsity.last_q:
-        return None
+        return None, None
 
     doc_start = current.doc_start if current is not None else None
 
@@ -91,7 +93,7 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
         # compiled: the estimate op itself returns the forward's pattern again (by plan.forward_id) when a
         # checkpointed layer recomputes, so the forward and its recompute run one graph that saves the same tensors
         # (non-reentrant checkpointing checks that); the schedule's cache would make the recompute another graph
-        return estimate()
+        return estimate(), sparsity.dense_above
     pattern, new = schedule.pattern_for(layer_idx, estimate)
     if new and schedule.measuring:
         recall = None
@@ -100,8 +102,8 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
                                       layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling,
                                       doc_start=doc_start)
         schedule.record(layer_idx, pattern, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
-                        plan.inner_size, recall)
-    return pattern
+                        plan.inner_size, recall, sparsity.dense_above)
+    return pattern, sparsity.dense_above
 
 
 def ring_attention_forward(
@@ -161,7 +163,8 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
     # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward
     # reuses the forward's per-step lists (the sparse op's backward rebuilds them, see ring.sparse_op)
     compiling = torch.compiler.is_compiling()
-    pattern = None if window is not None else _layer_pattern(module, cfg, query, key, scaling, as_op=compiling)
+    pattern, dense_above = (None, None) if window is not None else _layer_pattern(module, cfg, query, key, scaling,
+                                                                                  as_op=compiling)
     doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
     args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
                 outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)
@@ -169,8 +172,9 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
         return dense_ring_attention(query, key, value, window=window, **args)
     if compiling:
         vertical_idx, slash_idx, tile_size = pattern
-        return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size, **args)
-    return ring_attention(query, key, value, sparsity=pattern, window=window, **args)
+        return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size,
+                                     dense_above=dense_above, **args)
+    return ring_attention(query, key, value, sparsity=pattern, window=window, dense_above=dense_above, **args)
 
 
 def register_attention() -> None:

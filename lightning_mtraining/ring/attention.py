@@ -23,7 +23,7 @@ from lightning_mtraining.ring.setup import (
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import RingAttentionFunction
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, runs_dense
 
 __all__ = ["ring_attention"]
 
@@ -47,6 +47,7 @@ def ring_attention(
     window: int | None = None,
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
+    dense_above: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -89,6 +90,12 @@ def ring_attention(
             sparse Triton kernels have no per-document bound yet, so a sparse ring over packed documents runs the
             chunked torch op (:class:`TorchBlockOp`) on CUDA: exact but slower (warned once).
 
+        dense_above: run dense attention instead of a sparse pattern that allows more than this share of the causal
+            pairs (:func:`~lightning_mtraining.sparsity.pattern.runs_dense`: over the padded sequence, the same
+            decision on every rank), where the sparse kernels cost more than the dense one. Default: the
+            ``SparsityConfig``'s ``dense_above`` when ``sparsity`` is a config; a given ``VerticalSlashPattern`` runs
+            as given unless this is set.
+
     Returns:
         ``[B, H, S, D]`` in q's dtype; differentiable in q, k and v.
     """
@@ -117,6 +124,11 @@ def ring_attention(
     pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
                               block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx,
                               doc_start=given_docs)
+    if dense_above is None and isinstance(sparsity, SparsityConfig):
+        dense_above = sparsity.dense_above
+    if runs_dense(pattern, n, dense_above):  # the pattern covers so much that dense attention is cheaper
+        return ring_attention(q, k, v, group=group, layout=layout, block_size=block_size, inner_group=inner_group,
+                              outer_group=outer_group, scale=scale, softcap=softcap, doc_start=given_docs)
     op = variant_op(sparse_block_op(op, q.device, pattern.tile_size), None, softcap)
     if doc_start is not None:
         op = documents_op(op, user_op)

@@ -49,6 +49,7 @@ from lightning_mtraining.core.numerics import acc_dtype, default_scale
 from lightning_mtraining.ring.dense_op import group_by_name, group_name, outside_dispatch_mode, topology_by_names
 from lightning_mtraining.ring.setup import (
     check_sparse_layout,
+    dense_setup,
     documents_op,
     rank_positions,
     sparse_block_op,
@@ -59,7 +60,7 @@ from lightning_mtraining.ring.steps import attention_variant, build_step_lists, 
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, runs_dense
 
 __all__ = ["estimate_pattern_op", "forget_plan", "new_plan_uid", "pattern_widths", "sparse_ring_attention",
            "track_plan"]
@@ -180,10 +181,12 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
 
 def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner_group: str, outer_group: str,
                   layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
-                  verticals: str, validate: bool = False):
+                  verticals: str, dense_above: float, validate: bool = False):
     """What :func:`~lightning_mtraining.ring.attention.ring_attention` decides before a sparse ring, from the op's arguments:
-    the topology, positions, block op, per-step lists, estimator group and variant keywords (``validate``: check the
-    pattern against the sequence and heads, one host sync; the forward does, the backward gets the same pattern)."""
+    the topology, positions, block op, per-step lists (None: the pattern allows more than ``dense_above`` of the pairs
+    and the ring runs dense, as ring_attention does), estimator group and variant keywords, and the steps that compute
+    nothing (``validate``: check the pattern against the sequence and heads, one host sync; the forward does, the
+    backward gets the same pattern)."""
     topo = topology_by_names(group, inner_group, outer_group)
     validate_ring_inputs(q, k, v, layout, block_size, topo.cp_size)
     n = q.shape[2] * topo.cp_size
@@ -195,6 +198,9 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     if validate:
         pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
+    if runs_dense(pattern, n, dense_above if dense_above >= 0 else None):
+        d = dense_setup(q, k, v, topo, layout, block_size, scale, None, softcap, doc_start)
+        return topo, d.positions, d.op, None, None, d.variant, d.skips
     op = variant_op(sparse_block_op(None, q.device, tile_size), None, softcap)
     if doc_start is not None:
         op = documents_op(op, False)
@@ -209,11 +215,11 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical_idx: torch.Tensor,
                 slash_idx: torch.Tensor, doc_start: torch.Tensor | None, group: str, inner_group: str,
                 outer_group: str, layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
-                verticals: str) -> tuple[torch.Tensor, torch.Tensor]:
+                verticals: str, dense_above: float) -> tuple[torch.Tensor, torch.Tensor]:
     with outside_dispatch_mode():
         topo, positions, op, plan, est_group, variant, doc_skips = _sparse_setup(
             q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size,
-            tile_size, scale, softcap, verticals, validate=True)
+            tile_size, scale, softcap, verticals, dense_above, validate=True)
         (out, lse), _ = ring_forward(q, torch.stack([k, v]), topo, positions, op, scale, plan, est_group, variant,
                                       doc_skips)
     return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
@@ -221,7 +227,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical_idx:
 
 @_forward_op.register_fake
 def _(q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size, tile_size,
-      scale, softcap, verticals):
+      scale, softcap, verticals, dense_above):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
@@ -229,16 +235,16 @@ def _(q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_gro
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, vertical_idx: torch.Tensor, slash_idx: torch.Tensor, doc_start: torch.Tensor | None,
                  group: str, inner_group: str, outer_group: str, layout: str, block_size: int, tile_size: int,
-                 scale: float, softcap: float | None,
-                 verticals: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, softcap: float | None, verticals: str,
+                 dense_above: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with outside_dispatch_mode():
         topo, positions, op, plan, est_group, variant, doc_skips = _sparse_setup(
             q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size,
-            tile_size, scale, softcap, verticals)
+            tile_size, scale, softcap, verticals, dense_above)
         dout = dout.contiguous()
         kv = torch.stack([k, v])
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, topo, positions, op, scale, plan, variant, doc_skips)
-        if plan.vert_pos is not None:  # Note [Gathered verticals] in ring/walk.py: the columns' K/V again, then their step
+        if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals] in ring/walk.py: the columns' K/V again, then their step
             kv_v = gather_vertical_kv(kv, plan, est_group, topo.cp_size)
             gathered_backward(dq, q, kv_v, out, lse, dout, positions[topo.cp_rank], plan, op, scale, est_group,
                                topo.cp_size, dk, dv, variant)
@@ -248,7 +254,7 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_backward_op.register_fake
 def _(dout, q, k, v, out, lse, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout,
-      block_size, tile_size, scale, softcap, verticals):
+      block_size, tile_size, scale, softcap, verticals, dense_above):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -263,7 +269,7 @@ def _backward(ctx, dout, dlse):
     # dlse is not used: callers take ``out`` only (the lse output is for the backward)
     q, k, v, out, lse, vertical_idx, slash_idx = ctx.saved_tensors
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, vertical_idx, slash_idx, ctx.doc_start, *ctx.config)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 register_autograd(_forward_op, _backward, setup_context=_setup_context)
@@ -286,10 +292,12 @@ def sparse_ring_attention(
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
     verticals: str = "gathered",
+    dense_above: float | None = None,
 ) -> torch.Tensor:
     """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=VerticalSlashPattern(vertical_idx, slash_idx,
     tile_size)`` and the default block op, as one custom op that ``torch.compile`` does not break (arguments as
-    there; the pattern as its two tensors, e.g. from :func:`estimate_pattern_op`). Differentiable in q, k and v."""
+    there; the pattern as its two tensors, e.g. from :func:`estimate_pattern_op`; ``dense_above`` as there: a pattern
+    that allows more than that share of the pairs runs dense, decided inside the op). Differentiable in q, k and v."""
     if verticals not in ("arrival", "gathered"):
         raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
     if inner_group is not None and group is None:
@@ -298,5 +306,5 @@ def sparse_ring_attention(
         )
     out, _ = _forward_op(q, k, v, vertical_idx, slash_idx, doc_start, group_name(group), group_name(inner_group),
                          group_name(outer_group), layout, block_size, tile_size, default_scale(q.shape[-1], scale), softcap,
-                         verticals)
+                         verticals, -1.0 if dense_above is None else float(dense_above))
     return out

@@ -17,7 +17,12 @@ from typing import Any, Literal
 from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.sparsity.pattern import check_tile_size
 
-__all__ = ["PAPER_SPARSITY", "SparsityConfig", "parse_sparsity"]
+__all__ = ["DENSE_ABOVE", "PAPER_SPARSITY", "SparsityConfig", "parse_sparsity"]
+
+# Above this share of the causal pairs a layer's sparse attention costs more than dense attention on one GPU
+# (``benchmarks/kernel_sparse.py`` at high densities against FlexAttention dense, plus the estimator's lists and the
+# gathered columns): the default of ``SparsityConfig.dense_above``.
+DENSE_ABOVE = 0.85
 
 PatternHeads = Literal["query", "kv"]
 
@@ -114,6 +119,12 @@ class SparsityConfig:
         dense_layers: layer indices that always run dense (exact) attention.
         dense_warmup_steps: optimizer steps trained dense before sparse attention starts (applied by the
             strategies' schedule; ``estimate_pattern`` itself ignores it).
+        dense_above: a layer whose estimated pattern allows more than this share of the causal (query, key) pairs
+            runs dense attention in that forward instead: there the sparse kernels, the estimator's lists and the
+            gathered columns cost more than the dense kernel (diffuse attention: a fresh model, early training, short
+            sequences). ``None``: always run the pattern. Decided per layer and forward from the exact pair count
+            (one host sync), the same on every rank; applied by the strategies' schedule in eager forwards (a compiled
+            layer runs its pattern); the logged ``attention/dense_fallback`` counts the layers it sent to dense.
         budgets: per-layer (and optionally per-head) budgets calibrated offline: ``{layer: (vertical, slash)}`` or
             ``{layer: [(vertical, slash), ...]}`` (one pair per pattern head), or the path of a JSON file holding
             that mapping. In top-k mode a pair replaces ``(vertical_topk, slash_topk)``; in top-p mode it replaces
@@ -133,6 +144,7 @@ class SparsityConfig:
     dense_layers: tuple[int, ...] = ()
     dense_warmup_steps: int = 0
     budgets: Any = None
+    dense_above: float | None = DENSE_ABOVE
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -152,6 +164,11 @@ class SparsityConfig:
             if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"SparsityConfig.top_p must be None (top-k mode) or in (0, 1], got {self.top_p!r}")
             set_("top_p", float(self.top_p))
+        if self.dense_above is not None:
+            above = self.dense_above
+            if isinstance(above, bool) or not isinstance(above, (int, float)) or not 0.0 <= above <= 1.0:
+                raise ValueError(f"SparsityConfig.dense_above must be None (never dense) or in [0, 1], got {above!r}")
+            set_("dense_above", float(above))
         if self.pattern_heads not in ("query", "kv"):
             raise ValueError(f"SparsityConfig.pattern_heads must be 'query' or 'kv', got {self.pattern_heads!r}")
         check_tile_size(self.tile_size, "SparsityConfig")

@@ -21,7 +21,7 @@ import torch
 
 from lightning_mtraining.core.checks import is_int
 
-__all__ = ["VerticalSlashPattern", "check_tile_size"]
+__all__ = ["VerticalSlashPattern", "check_tile_size", "runs_dense"]
 
 
 def check_tile_size(tile_size: Any, owner: str) -> None:
@@ -142,3 +142,12 @@ class VerticalSlashPattern:
         slash = (torch.arange(n_tiles, device=device) * tile_size).expand(batch_size, num_heads, n_tiles)
         vertical = torch.full((batch_size, num_heads, 1), -1, dtype=torch.int64, device=device)
         return cls(vertical, slash.contiguous(), tile_size)
+
+
+def runs_dense(pattern: VerticalSlashPattern, seq_len: int, dense_above: float | None) -> bool:
+    """Whether a ring runs dense attention instead of ``pattern``: it allows more than ``dense_above`` of the causal
+    pairs of the ``seq_len``-token (padded) sequence, averaged over batch rows and pattern heads (exact, per tile; one
+    host sync). The same on every rank, since the pattern is. ``dense_above=None``: never."""
+    if dense_above is None:
+        return False
+    return float(pattern.density(seq_len).mean()) > dense_above

@@ -1,10 +1,11 @@
 """The sparse attention schedule of a training run, shared by every attention layer of the prepared models.
 
-Lightning-free (integration layer, used by both strategies and the callback). One :class:`AttentionSchedule` per
-strategy decides, for each layer and forward, whether attention runs sparse (the layer's ``SparsityConfig``, its
-``dense_layers``, the dense warm-up of ``dense_warmup_steps`` optimizer steps, sequences too short for the probes),
-keeps the layer's pattern for the rest of the forward and backward (Note [One pattern per forward]), and measures
-what users watch: the pattern's exact density, the ring's work imbalance and, when asked, the attention recall.
+One :class:`AttentionSchedule` per strategy (or :func:`~lightning_mtraining.hf.parallel.apply_context_parallel`)
+decides, for each layer and forward, whether attention runs sparse (the layer's ``SparsityConfig``, its
+``dense_layers``, the dense warm-up of ``dense_warmup_steps`` optimizer steps, sequences too short for the probes, a
+pattern that allows more than ``dense_above`` of the causal pairs), keeps the layer's pattern for the rest of the
+forward and backward (Note [One pattern per forward]), and measures what users watch: the pattern's exact density,
+the ring's work imbalance, how many layers fell back to dense and, when asked, the attention recall.
 
 Note [One pattern per forward]
 ------------------------------
@@ -18,15 +19,31 @@ ring saves its per-step lists for it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable
 
 import torch
 
 from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, runs_dense
 
-__all__ = ["AttentionSchedule", "LayerStats"]
+__all__ = ["AttentionSchedule", "LayerStats", "allowed_share"]
+
+_log = logging.getLogger(__name__)
+
+
+def allowed_share(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[int, int]:
+    """``(allowed, causal)``: the (query, key) pairs ``pattern`` allows over the real sequences (``lengths``, one per
+    batch row) and the causal pairs of the same sequences, summed over rows and pattern heads (exact, per tile; one
+    host sync)."""
+    allowed = torch.zeros((), dtype=torch.int64, device=pattern.vertical_idx.device)
+    causal = 0
+    for b, length in enumerate(lengths):
+        row = VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1], pattern.tile_size)
+        allowed = allowed + row.allowed_pairs(length).sum()
+        causal += length * (length + 1) // 2 * pattern.num_heads
+    return int(allowed), causal
 
 
 @dataclasses.dataclass
@@ -38,6 +55,13 @@ class LayerStats:
     step_max: float  # sum over ring steps of the busiest rank's work (exact pair counts)
     step_mean: float  # sum over ring steps of the mean rank's work
     recall: float | None = None  # mean share of the attention mass kept (attention_recall), if measured
+    dense_fallback: bool = False  # the pattern allowed more than ``dense_above`` of the pairs: the layer ran dense
+
+
+def _imbalance(stats: dict[int, LayerStats]) -> float:
+    """The ring's critical path over its mean (1.0 when no layer ran a sparse ring)."""
+    mean = sum(s.step_mean for s in stats.values())
+    return sum(s.step_max for s in stats.values()) / mean if mean > 0 else 1.0
 
 
 class AttentionSchedule:
@@ -66,6 +90,7 @@ class AttentionSchedule:
         self.step = 0
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
         self._patterns: dict[int, VerticalSlashPattern] = {}
+        self._told_fallback = False
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
@@ -126,14 +151,22 @@ class AttentionSchedule:
         return self._recall
 
     def record(self, layer_idx: int, pattern: VerticalSlashPattern, lengths: list[int], n_total: int, cp_size: int,
-               layout: str, block_size: int, inner_size: int | None, recall: torch.Tensor | None = None) -> None:
-        """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured."""
+               layout: str, block_size: int, inner_size: int | None, recall: torch.Tensor | None = None,
+               dense_above: float | None = None) -> None:
+        """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured; a pattern
+        the ring ran dense instead (:func:`~lightning_mtraining.sparsity.pattern.runs_dense` with ``dense_above``) counts
+        as every causal pair."""
         p = pattern.to("cpu")
-        allowed = causal = 0
-        for b, length in enumerate(lengths):
-            row = VerticalSlashPattern(p.vertical_idx[b:b + 1], p.slash_idx[b:b + 1], p.tile_size)
-            allowed += int(row.allowed_pairs(length).sum())
-            causal += length * (length + 1) // 2 * p.num_heads
+        allowed, causal = allowed_share(p, lengths)
+        if runs_dense(p, n_total, dense_above):
+            if not self._told_fallback:
+                self._told_fallback = True
+                _log.info(
+                    "layer %s: the estimated pattern allows %.1f%% of the causal pairs, above SparsityConfig."
+                    "dense_above=%s, so the layer runs dense attention (cheaper there); attention/dense_fallback counts "
+                    "such layers. Said once.", layer_idx, 100.0 * allowed / max(1, causal), dense_above)
+            self._stats[layer_idx] = LayerStats(causal, causal, 0.0, 0.0, None, dense_fallback=True)
+            return
         if cp_size > 1:
             work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
             step_max, step_mean = float(work.max(0).values.sum()), float(work.mean(0).sum())
@@ -146,15 +179,16 @@ class AttentionSchedule:
     def metrics(self) -> dict[str, float]:
         """The last measured forward's numbers: ``attention/density`` (allowed over causal pairs of the sparse
         layers), ``attention/imbalance`` (ring critical path: sum over layers and steps of the busiest rank's work
-        over the mean rank's, 1.0 = balanced), ``attention/recall`` when measured, and the same per layer
-        (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
+        over the mean rank's, 1.0 = balanced), ``attention/dense_fallback`` (how many sparse layers ran dense because
+        their pattern allowed more than ``dense_above`` of the pairs: they count as density 1, their imbalance not),
+        ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
         stats = self._stats
         if not stats:
             return self._last
         out: dict[str, float] = {
             "attention/density": sum(s.allowed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
-            "attention/imbalance": sum(s.step_max for s in stats.values()) / max(1.0, sum(s.step_mean
-                                                                                          for s in stats.values())),
+            "attention/imbalance": _imbalance(stats),
+            "attention/dense_fallback": float(sum(s.dense_fallback for s in stats.values())),
         }
         recalls = [s.recall for s in stats.values() if s.recall is not None]
         if recalls:
