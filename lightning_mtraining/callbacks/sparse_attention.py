@@ -148,9 +148,9 @@ class SparseAttentionCallback(Callback):
             self._density = AttentionDensity(num_layers).to(pl_module.device)
             self._recall = AttentionRecall(num_layers).to(pl_module.device)
             self._overall = AttentionDensity(1).to(pl_module.device)
-        density = self._density({i: s.allowed / max(1, s.causal) for i, s in stats.items()},
+        density = self._density({i: s.computed / max(1, s.causal) for i, s in stats.items()},
                                 {i: float(s.causal) for i, s in stats.items()})
-        allowed, causal = sum(s.allowed for s in stats.values()), sum(s.causal for s in stats.values())
+        allowed, causal = sum(s.computed for s in stats.values()), sum(s.causal for s in stats.values())
         overall = self._overall([allowed / max(1, causal)], [float(causal)])
         for metric in (self._density, self._overall):
             metric.reset()

@@ -170,11 +170,15 @@ def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, 
                 outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)
     if pattern is None and (cfg.cp_size > 1 or compiling):
         return dense_ring_attention(query, key, value, window=window, **args)
+    # the real lengths: dense_above compares the pattern's pairs with the causal pairs of the unpadded sequences
+    current = cfg.plan.current if cfg.plan is not None else None
+    lengths = list(current.lengths) if current is not None and current.lengths else None
     if compiling:
         vertical_idx, slash_idx, tile_size = pattern
         return sparse_ring_attention(query, key, value, vertical_idx, slash_idx, tile_size=tile_size,
-                                     dense_above=dense_above, **args)
-    return ring_attention(query, key, value, sparsity=pattern, window=window, dense_above=dense_above, **args)
+                                     dense_above=dense_above, seq_len=lengths, **args)
+    return ring_attention(query, key, value, sparsity=pattern, window=window, dense_above=dense_above,
+                          seq_len=lengths, **args)
 
 
 def register_attention() -> None:

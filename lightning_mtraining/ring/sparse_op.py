@@ -60,7 +60,7 @@ from lightning_mtraining.ring.steps import attention_variant, build_step_lists, 
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, runs_dense
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, runs_dense
 
 __all__ = ["estimate_pattern_op", "forget_plan", "new_plan_uid", "pattern_widths", "sparse_ring_attention",
            "track_plan"]
@@ -181,7 +181,7 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
 
 def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner_group: str, outer_group: str,
                   layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
-                  verticals: str, dense_above: float, validate: bool = False):
+                  verticals: str, dense_above: float, seq_lens: list[int], validate: bool = False):
     """What :func:`~lightning_mtraining.ring.attention.ring_attention` decides before a sparse ring, from the op's arguments:
     the topology, positions, block op, per-step lists (None: the pattern allows more than ``dense_above`` of the pairs
     and the ring runs dense, as ring_attention does), estimator group and variant keywords, and the steps that compute
@@ -198,7 +198,7 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     if validate:
         pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
-    if runs_dense(pattern, n, dense_above if dense_above >= 0 else None):
+    if runs_dense(pattern, real_lengths(seq_lens or None, q.shape[0], n), dense_above if dense_above >= 0 else None):
         d = dense_setup(q, k, v, topo, layout, block_size, scale, None, softcap, doc_start)
         return topo, d.positions, d.op, None, None, d.variant, d.skips
     op = variant_op(sparse_block_op(None, q.device, tile_size), None, softcap)
@@ -215,11 +215,11 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical_idx: torch.Tensor,
                 slash_idx: torch.Tensor, doc_start: torch.Tensor | None, group: str, inner_group: str,
                 outer_group: str, layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
-                verticals: str, dense_above: float) -> tuple[torch.Tensor, torch.Tensor]:
+                verticals: str, dense_above: float, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     with outside_dispatch_mode():
         topo, positions, op, plan, est_group, variant, doc_skips = _sparse_setup(
             q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size,
-            tile_size, scale, softcap, verticals, dense_above, validate=True)
+            tile_size, scale, softcap, verticals, dense_above, seq_lens, validate=True)
         (out, lse), _ = ring_forward(q, torch.stack([k, v]), topo, positions, op, scale, plan, est_group, variant,
                                       doc_skips)
     return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
@@ -227,7 +227,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical_idx:
 
 @_forward_op.register_fake
 def _(q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size, tile_size,
-      scale, softcap, verticals, dense_above):
+      scale, softcap, verticals, dense_above, seq_lens):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
@@ -235,12 +235,12 @@ def _(q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_gro
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, vertical_idx: torch.Tensor, slash_idx: torch.Tensor, doc_start: torch.Tensor | None,
                  group: str, inner_group: str, outer_group: str, layout: str, block_size: int, tile_size: int,
-                 scale: float, softcap: float | None, verticals: str,
-                 dense_above: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, softcap: float | None, verticals: str, dense_above: float,
+                 seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with outside_dispatch_mode():
         topo, positions, op, plan, est_group, variant, doc_skips = _sparse_setup(
             q, k, v, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout, block_size,
-            tile_size, scale, softcap, verticals, dense_above)
+            tile_size, scale, softcap, verticals, dense_above, seq_lens)
         dout = dout.contiguous()
         kv = torch.stack([k, v])
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, topo, positions, op, scale, plan, variant, doc_skips)
@@ -254,7 +254,7 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_backward_op.register_fake
 def _(dout, q, k, v, out, lse, vertical_idx, slash_idx, doc_start, group, inner_group, outer_group, layout,
-      block_size, tile_size, scale, softcap, verticals, dense_above):
+      block_size, tile_size, scale, softcap, verticals, dense_above, seq_lens):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -269,7 +269,7 @@ def _backward(ctx, dout, dlse):
     # dlse is not used: callers take ``out`` only (the lse output is for the backward)
     q, k, v, out, lse, vertical_idx, slash_idx = ctx.saved_tensors
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, vertical_idx, slash_idx, ctx.doc_start, *ctx.config)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 register_autograd(_forward_op, _backward, setup_context=_setup_context)
@@ -293,11 +293,13 @@ def sparse_ring_attention(
     doc_start: torch.Tensor | None = None,
     verticals: str = "gathered",
     dense_above: float | None = None,
+    seq_len: list[int] | int | None = None,
 ) -> torch.Tensor:
     """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=VerticalSlashPattern(vertical_idx, slash_idx,
     tile_size)`` and the default block op, as one custom op that ``torch.compile`` does not break (arguments as
     there; the pattern as its two tensors, e.g. from :func:`estimate_pattern_op`; ``dense_above`` as there: a pattern
-    that allows more than that share of the pairs runs dense, decided inside the op). Differentiable in q, k and v."""
+    that allows more than that share of the pairs of the real sequences, ``seq_len``, runs dense, decided inside the
+    op). Differentiable in q, k and v."""
     if verticals not in ("arrival", "gathered"):
         raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
     if inner_group is not None and group is None:
@@ -306,5 +308,6 @@ def sparse_ring_attention(
         )
     out, _ = _forward_op(q, k, v, vertical_idx, slash_idx, doc_start, group_name(group), group_name(inner_group),
                          group_name(outer_group), layout, block_size, tile_size, default_scale(q.shape[-1], scale), softcap,
-                         verticals, -1.0 if dense_above is None else float(dense_above))
+                         verticals, -1.0 if dense_above is None else float(dense_above),
+                         [] if seq_len is None else real_lengths(seq_len, q.shape[0], 0))
     return out

@@ -21,7 +21,7 @@ import torch
 
 from lightning_mtraining.core.checks import is_int
 
-__all__ = ["VerticalSlashPattern", "check_tile_size", "runs_dense"]
+__all__ = ["VerticalSlashPattern", "allowed_share", "check_tile_size", "real_lengths", "runs_dense"]
 
 
 def check_tile_size(tile_size: Any, owner: str) -> None:
@@ -144,10 +144,33 @@ class VerticalSlashPattern:
         return cls(vertical, slash.contiguous(), tile_size)
 
 
-def runs_dense(pattern: VerticalSlashPattern, seq_len: int, dense_above: float | None) -> bool:
+def allowed_share(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[int, int]:
+    """``(allowed, causal)``: the (query, key) pairs ``pattern`` allows over the real sequences (``lengths``, one per
+    batch row) and the causal pairs of the same sequences, summed over rows and pattern heads (exact, per tile; one
+    host sync)."""
+    allowed = torch.zeros((), dtype=torch.int64, device=pattern.vertical_idx.device)
+    causal = 0
+    for b, length in enumerate(lengths):
+        row = VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1], pattern.tile_size)
+        allowed = allowed + row.allowed_pairs(length).sum()
+        causal += length * (length + 1) // 2 * pattern.num_heads
+    return int(allowed), causal
+
+
+def real_lengths(seq_len: Any, batch: int, padded: int) -> list[int]:
+    """One real length per batch row: ``seq_len`` as an int or one per row, or the padded length when None."""
+    if seq_len is None:
+        return [padded] * batch
+    if isinstance(seq_len, int):
+        return [seq_len] * batch
+    return [int(x) for x in seq_len]
+
+
+def runs_dense(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None) -> bool:
     """Whether a ring runs dense attention instead of ``pattern``: it allows more than ``dense_above`` of the causal
-    pairs of the ``seq_len``-token (padded) sequence, averaged over batch rows and pattern heads (exact, per tile; one
-    host sync). The same on every rank, since the pattern is. ``dense_above=None``: never."""
+    pairs of the real sequences (``lengths``, one per batch row; :func:`allowed_share`), so the decision is the same
+    on every rank (the pattern is) and at every world size (padding does not count). ``dense_above=None``: never."""
     if dense_above is None:
         return False
-    return float(pattern.density(seq_len).mean()) > dense_above
+    allowed, causal = allowed_share(pattern, lengths)
+    return allowed > dense_above * causal

@@ -26,24 +26,11 @@ import torch
 
 from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, runs_dense
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, allowed_share
 
-__all__ = ["AttentionSchedule", "LayerStats", "allowed_share"]
+__all__ = ["AttentionSchedule", "LayerStats"]
 
 _log = logging.getLogger(__name__)
-
-
-def allowed_share(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[int, int]:
-    """``(allowed, causal)``: the (query, key) pairs ``pattern`` allows over the real sequences (``lengths``, one per
-    batch row) and the causal pairs of the same sequences, summed over rows and pattern heads (exact, per tile; one
-    host sync)."""
-    allowed = torch.zeros((), dtype=torch.int64, device=pattern.vertical_idx.device)
-    causal = 0
-    for b, length in enumerate(lengths):
-        row = VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1], pattern.tile_size)
-        allowed = allowed + row.allowed_pairs(length).sum()
-        causal += length * (length + 1) // 2 * pattern.num_heads
-    return int(allowed), causal
 
 
 @dataclasses.dataclass
@@ -56,6 +43,11 @@ class LayerStats:
     step_mean: float  # sum over ring steps of the mean rank's work
     recall: float | None = None  # mean share of the attention mass kept (attention_recall), if measured
     dense_fallback: bool = False  # the pattern allowed more than ``dense_above`` of the pairs: the layer ran dense
+
+    @property
+    def computed(self) -> int:
+        """The pairs the layer computed: every causal pair when it fell back to dense, else the pattern's."""
+        return self.causal if self.dense_fallback else self.allowed
 
 
 def _imbalance(stats: dict[int, LayerStats]) -> float:
@@ -158,14 +150,14 @@ class AttentionSchedule:
         as every causal pair."""
         p = pattern.to("cpu")
         allowed, causal = allowed_share(p, lengths)
-        if runs_dense(p, n_total, dense_above):
+        if dense_above is not None and allowed > dense_above * causal:  # as runs_dense decides in the ring
             if not self._told_fallback:
                 self._told_fallback = True
                 _log.info(
                     "layer %s: the estimated pattern allows %.1f%% of the causal pairs, above SparsityConfig."
                     "dense_above=%s, so the layer runs dense attention (cheaper there); attention/dense_fallback counts "
                     "such layers. Said once.", layer_idx, 100.0 * allowed / max(1, causal), dense_above)
-            self._stats[layer_idx] = LayerStats(causal, causal, 0.0, 0.0, None, dense_fallback=True)
+            self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, dense_fallback=True)
             return
         if cp_size > 1:
             work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
@@ -177,7 +169,7 @@ class AttentionSchedule:
         self._stats[layer_idx] = LayerStats(allowed, causal, step_max, step_mean, value)
 
     def metrics(self) -> dict[str, float]:
-        """The last measured forward's numbers: ``attention/density`` (allowed over causal pairs of the sparse
+        """The last measured forward's numbers: ``attention/density`` (computed over causal pairs of the sparse
         layers), ``attention/imbalance`` (ring critical path: sum over layers and steps of the busiest rank's work
         over the mean rank's, 1.0 = balanced), ``attention/dense_fallback`` (how many sparse layers ran dense because
         their pattern allowed more than ``dense_above`` of the pairs: they count as density 1, their imbalance not),
@@ -186,7 +178,7 @@ class AttentionSchedule:
         if not stats:
             return self._last
         out: dict[str, float] = {
-            "attention/density": sum(s.allowed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
+            "attention/density": sum(s.computed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
             "attention/imbalance": _imbalance(stats),
             "attention/dense_fallback": float(sum(s.dense_fallback for s in stats.values())),
         }
@@ -194,7 +186,7 @@ class AttentionSchedule:
         if recalls:
             out["attention/recall"] = sum(recalls) / len(recalls)
         for layer, s in sorted(stats.items()):
-            out[f"attention/density/layer_{layer}"] = s.allowed / max(1, s.causal)
+            out[f"attention/density/layer_{layer}"] = s.computed / max(1, s.causal)
             if s.recall is not None:
                 out[f"attention/recall/layer_{layer}"] = s.recall
         self._last = out

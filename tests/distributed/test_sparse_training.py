@@ -26,7 +26,10 @@ from helpers.training import (
     quiet,
 )
 
-CFG = dict(top_p=0.9, max_vertical=6, max_slash=10, last_q=8, sink_tokens=2, local_window=16, tile_size=16)
+# dense_above=None: these tests are about the sparse path (so short a sequence covers most pairs, which would run
+# dense by default; tests/unit/test_dense_fallback.py covers that)
+CFG = dict(top_p=0.9, max_vertical=6, max_slash=10, last_q=8, sink_tokens=2, local_window=16, tile_size=16,
+           dense_above=None)
 
 
 def fit_sparse(world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
