@@ -64,6 +64,7 @@ __all__ = [
     "extend_context",
     "load_pretrained",
     "load_tokenizer",
+    "local_checkpoint",
     "packaged_gguf",
     "resolve_pretrained",
     "tokenizer_encode",
@@ -366,6 +367,17 @@ def convert_gguf(source: str | os.PathLike, output_dir: str | os.PathLike, *, dt
             shutil.rmtree(out)
         os.replace(tmp, out)
     return out
+
+
+def local_checkpoint(source: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """``source`` as something every process loads in seconds: a GGUF source converted once (:func:`convert_gguf`,
+    float32) to ``cache_dir/<name>_float32`` (default ``$MTRAINING_DATA_DIR/pretrained``, ``./data/pretrained``
+    without the variable; git-ignored); any other source unchanged. Safe to call from every rank at once."""
+    src = resolve_pretrained(source)
+    if src.kind != "gguf":
+        return os.fspath(source)
+    root = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("MTRAINING_DATA_DIR", "data")) / "pretrained"
+    return str(convert_gguf(src.path, root / f"{src.name}_float32"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
