@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.task_lengths, args.task_depths, args.task_samples, args.task_haystacks = [900], (0.5,), 1, ["text"]
         args.lr, args.checkpointing = (1e-4 if pre else 3e-3), False
         if pre:  # the real weights, 2 of the layers: the plumbing, in seconds a step on a CPU
-            args.eval_lengths, args.rope = [512, 1024], "yarn:2"
+            args.seq_len, args.eval_lengths, args.task_lengths, args.rope = 768, [640, 768], [576, 704], "yarn:2"
             args.num_layers = 2 if args.num_layers is None else args.num_layers
     if args.eval_lengths is None:
         args.eval_lengths = [n for n in (8192, 16384, 32768) if n <= args.seq_len] if pre else [args.seq_len]
@@ -258,12 +258,14 @@ _LOADED: dict = {}  # one load of a pretrained model per process: variants run i
 
 def load_base(args):
     """``(model, tokenizer)`` of ``--pretrained`` as loaded (float32, native RoPE), cached for the process."""
-    from lightning_mtraining.pretrained import load_pretrained
+    from lightning_mtraining.pretrained import load_pretrained, local_checkpoint
 
     key = (args.pretrained, args.num_layers)
     if key not in _LOADED:
         t0 = time.perf_counter()
-        _LOADED[key] = load_pretrained(args.pretrained, dtype="float32", num_layers=args.num_layers)
+        # a GGUF is converted once to a float32 folder under ./data/pretrained (git-ignored), which the next
+        # variant's process (the next command on the same machine) loads in seconds instead of unpacking it again
+        _LOADED[key] = load_pretrained(local_checkpoint(args.pretrained), dtype="float32", num_layers=args.num_layers)
         print(f"loaded {args.pretrained} in {time.perf_counter() - t0:.1f} s", flush=True)
     return _LOADED[key]
 
@@ -329,9 +331,12 @@ def run_variant(args, variant: str, device, save=None) -> dict:
         raise SystemExit(f"--variant {variant} evaluates a pretrained model as loaded: it needs --pretrained")
     sparsity = sparsity_for(args, variant)
     tokens = Tokens(load_base(args)[1] if args.pretrained is not None else None)
-    train_bytes, held_bytes = corpus_documents(args.max_files)
     t0 = time.perf_counter()
-    train_docs, held_docs = tokens.documents(train_bytes), tokens.documents(held_bytes)
+    key = ("docs", args.pretrained, args.max_files)
+    if key not in _LOADED:  # variants run in one process tokenise the corpus once
+        train_bytes, held_bytes = corpus_documents(args.max_files)
+        _LOADED[key] = (tokens.documents(train_bytes), tokens.documents(held_bytes))
+    train_docs, held_docs = _LOADED[key]
     print(f"[{variant}] corpus: {sum(map(len, train_docs)) / 1e6:.2f}M train and {sum(map(len, held_docs)) / 1e6:.2f}M "
           f"held-out tokens ({time.perf_counter() - t0:.1f} s)", flush=True)
     held_by_length = {n: [w for w, _ in zip(windows(held_docs, n, seed=12345, eos=tokens.eos),
@@ -513,8 +518,11 @@ def report(out_dir: str) -> dict:
     if lengths:
         print("\nheld-out loss by length (own attention; vs dense: the dense-trained model at the same length), "
               "training speed, task accuracy by length (served dense / sparse prefill)\n")
-        print("| variant | " + " | ".join(f"{n // 1024}K loss (vs dense)" for n in lengths)
-              + " | step s | tokens/s | " + " | ".join(f"tasks {n // 1024}K" for n in lengths) + " |")
+        def k(n: int) -> str:
+            return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+        print("| variant | " + " | ".join(f"{k(n)} loss (vs dense)" for n in lengths)
+              + " | step s | tokens/s | " + " | ".join(f"tasks {k(n)}" for n in lengths) + " |")
         print("|---|" + "---|" * (2 * len(lengths) + 2))
         for row in table:
             cells = []
@@ -565,7 +573,7 @@ def plot_quality_speed(table: list[dict], out_dir: str) -> None:
                 ax.plot(row["tokens_per_s"], y, "o", ms=8)
                 ax.annotate(row["variant"], (row["tokens_per_s"], y), textcoords="offset points", xytext=(6, 4))
         ax.set_xlabel("training tokens/s")
-        ax.set_ylabel(f"held-out loss at {longest // 1024}K tokens" if what == "loss"
+        ax.set_ylabel(f"held-out loss at {longest} tokens" if what == "loss"
                       else "task accuracy (exact match, served dense)")
         ax.grid(True, alpha=0.3)
     fig.suptitle("quality against training speed (lower left / upper right is better)", fontsize=10)
