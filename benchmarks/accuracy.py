@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.task_lengths, args.task_depths, args.task_samples, args.task_haystacks = [900], (0.5,), 1, ["text"]
         args.lr, args.checkpointing = (1e-4 if pre else 3e-3), False
         if pre:  # the real weights, 2 of the layers: the plumbing, in seconds a step on a CPU
-            args.seq_len, args.eval_lengths, args.task_lengths, args.rope = 768, [640, 768], [576, 704], "yarn:2"
+            args.seq_len, args.eval_lengths, args.task_lengths, args.rope = 896, [768, 896], [704, 832], "yarn:2"
             args.num_layers = 2 if args.num_layers is None else args.num_layers
     if args.eval_lengths is None:
         args.eval_lengths = [n for n in (8192, 16384, 32768) if n <= args.seq_len] if pre else [args.seq_len]

@@ -399,9 +399,54 @@ def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
         cp.restore()
 
 
+class MaskedSparseAttention:
+    """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
+    with it applied as a dense boolean mask (SDPA, one query head at a time, ``rows`` query rows per call), which is
+    what :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the
+    same pattern applied as a dense mask; ``tests/test_pattern_quality_bench.py`` checks this function against
+    :func:`sparse_forward_loss`). On a CPU it runs at SDPA's speed, several times the sparse reference path's at
+    4-8K tokens."""
+
+    def __init__(self, config: SparsityConfig, rows: int = 2048) -> None:
+        self.config, self.rows = config, rows
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from mtraining_kernels.reference import vertical_slash_mask
+
+        B, H, n, _ = query.shape
+        Hkv = key.shape[1]
+        pattern = estimate_pattern(query, key, self.config, scale=scaling).expand(H, Hkv)
+        out = torch.empty_like(query)
+        for h in range(H):
+            kv = h // (H // Hkv)
+            v_idx, s_idx = pattern.vertical_idx[:, h:h + 1], pattern.slash_idx[:, h:h + 1]
+            for r0 in range(0, n, self.rows):
+                r1 = min(n, r0 + self.rows)
+                mask = vertical_slash_mask(v_idx, s_idx, n, pattern.tile_size, rows=(r0, r1))[:, :, :, :r1]
+                out[:, h:h + 1, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+                    query[:, h:h + 1, r0:r1], key[:, kv:kv + 1, :r1], value[:, kv:kv + 1, :r1], attn_mask=mask,
+                    scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def masked_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
+    """:func:`sparse_forward_loss` through :class:`MaskedSparseAttention` (the same numbers, at SDPA's speed)."""
+    from transformers import AttentionInterface
+
+    name = "pattern_quality_masked_sparse"
+    previous = model.config._attn_implementation
+    AttentionInterface.register(name, MaskedSparseAttention(cfg))
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def main_pretrained(args) -> dict:
     """Density, recall and the sparse forward's loss of a pretrained model's estimated patterns, no training."""
-    from lightning_mtraining.pretrained import load_pretrained
+    from lightning_mtraining.pretrained import load_pretrained, resolve_pretrained
     from transformers import AttentionInterface
 
     torch.set_num_threads(args.threads)
@@ -428,7 +473,7 @@ def main_pretrained(args) -> dict:
         "torch": torch.__version__, "python": platform.python_version(),
         "transformers": __import__("transformers").__version__, "args": vars(args),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "model": {"name": Path(str(getattr(cfg_model, "_name_or_path", args.pretrained))).name or args.pretrained,
+        "model": {"name": resolve_pretrained(args.pretrained).name,
                   "source": args.pretrained, "family": cfg_model.model_type, "hidden": cfg_model.hidden_size,
                   "layers": cfg_model.num_hidden_layers, "heads": cfg_model.num_attention_heads,
                   "kv_heads": cfg_model.num_key_value_heads,
@@ -452,7 +497,8 @@ def main_pretrained(args) -> dict:
         for name, cfg in cfgs.items():
             for n, ids in windows.items():
                 t0 = time.perf_counter()
-                sparse.setdefault(name, {})[n] = sparse_forward_loss(model, ids, cfg)
+                forward_loss = sparse_forward_loss if args.sparse_loss == "kernel" else masked_forward_loss
+                sparse.setdefault(name, {})[n] = forward_loss(model, ids, cfg)
                 print(f"  sparse forward {name} at {n // 1024}K: loss {sparse[name][n]:.4f} (dense "
                       f"{losses['pretrained'][n]:.4f}; {time.perf_counter() - t0:.0f} s)", flush=True)
     meta["timing"] = timing
@@ -500,6 +546,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 16, 64, 1024, 32, 128],
                     help="--pretrained: fixed top-k budgets as triples V S T (verticals and slashes per head, tile)")
     ap.add_argument("--no-sparse-loss", action="store_true", help="--pretrained: skip the sparse forwards' losses")
+    ap.add_argument("--sparse-loss", choices=("masked", "kernel"), default="masked",
+                    help="--pretrained: the sparse forward through the pattern as a dense mask (SDPA speed) or "
+                         "through apply_context_parallel's sparse attention (on a CPU its reference path, slower)")
     ap.add_argument("--time-estimate", action=argparse.BooleanOptionalAction, default=None,
                     help="time estimate_pattern (default: on, off with --pretrained)")
     args = ap.parse_args(argv)

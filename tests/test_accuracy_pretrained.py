@@ -1,5 +1,5 @@
 """``benchmarks/accuracy.py --pretrained --smoke`` on the CPU: the context-extension benchmark's plumbing on the real
-SmolLM2 weights (its first 2 layers, 768-token windows in the model's own tokens, RoPE changed by YaRN x2): a top-k
+SmolLM2 weights (its first 2 layers, 896-token windows in the model's own tokens, RoPE changed by YaRN x2): a top-k
 variant trains two steps and the untrained ``base_rope`` baseline is evaluated; both are scored on generated tasks
 in the model's tokens, served dense and with the sparse prefill, and ``--report`` merges them. Checks the records'
 consistency (the plumbing), not the numbers' quality."""
@@ -29,7 +29,7 @@ def test_context_extension_smoke(tmp_path_factory, tmp_path):
     assert 0.0 < att["attention/density"] < 1.0 and "attention/density/layer_1" in att
     for run in (topk, base):
         by_length = run["final"]["heldout_by_length"]
-        assert set(by_length) == {"640", "768"}
+        assert set(by_length) == {"768", "896"}
         for losses in by_length.values():
             assert math.isfinite(losses["own_attention"]) and math.isfinite(losses["dense_attention"])
         # the baseline attends densely either way: its two held-out losses are the same computation
@@ -37,11 +37,11 @@ def test_context_extension_smoke(tmp_path_factory, tmp_path):
             assert all(x["own_attention"] == pytest.approx(x["dense_attention"], rel=1e-6) for x in by_length.values())
         for label in ("dense", "sparse_prefill"):
             tasks = run["tasks"][label]
-            assert len(tasks["results"]) == 6 and set(tasks["by_length"]) == {"576", "704"}  # 3 kinds x 2 lengths
+            assert len(tasks["results"]) == 6 and set(tasks["by_length"]) == {"704", "832"}  # 3 kinds x 2 lengths
     merged = bench.main(["--report", "--out-dir", str(tmp_path)])
     rows = {row["variant"]: row for row in merged["table"]}
     assert set(rows) == {"topk", "base_rope"}
-    assert rows["topk"]["tokens_per_s"] > 0 and set(rows["topk"]["heldout_by_length"]) == {"640", "768"}
+    assert rows["topk"]["tokens_per_s"] > 0 and set(rows["topk"]["heldout_by_length"]) == {"768", "896"}
     assert json.loads((tmp_path / "accuracy.json").read_text())["table"] == merged["table"]
     if _has_matplotlib():
         assert (tmp_path / "accuracy_quality_speed.png").stat().st_size > 0
