@@ -43,7 +43,7 @@ paper does at scale: continued pretraining of a pretrained model to a longer con
 before training, the same way for every variant (``--rope``, default ``yarn:4``: YaRN, 8K native -> 32K), and it is
 trained on ``--seq-len`` (32K) windows of the corpus in the model's own tokens (train files; 1 in 20 files held
 out), a share led by a generated task in the same tokens. Variants ``dense``, ``topp`` (top-p 0.9, caps 4096, tile
-128) and ``topk`` (``--topk``, default 1024 verticals / 64 slashes per head at tile 128), same data, steps, seed
+128) and ``topk`` (``--topk``, default 1024 verticals / 32 slashes per head at tile 128), same data, steps, seed
 and initial weights; and two baselines that do not train: ``base`` (the model as loaded, native RoPE: before
 extension) and ``base_rope`` (the model with the changed RoPE, untrained). Measured per variant: training loss and
 step time every step (tokens/s from the median step after the first three, which include kernel compilation),
@@ -52,16 +52,22 @@ the variant's training attention and with dense attention, and task accuracy by 
 the eval lengths) served dense and with the sparse prefill. ``--report`` adds the held-out loss by length, the
 speed, and ``accuracy_quality_speed.png`` (quality against tokens/s).
 
-GPU commands (repo root; the GGUF comes in two parts, see the README's GPU notes; one command per variant, each
-under 10 minutes on one H100 at these sizes, ~20 minutes for all four)::
+GPU commands (repo root; the GGUF comes in two parts and ``gguf`` as a wheel, see the README's GPU notes; one command
+per variant, each under 10 minutes on one H100 at these sizes (estimates below), ~20 minutes for all four; the
+first converts the GGUF to a float32 folder under ``./data/pretrained`` that the later ones load in seconds)::
 
-    python benchmarks/accuracy.py --pretrained smollm2 --variant base  --out-dir $OUT      # ~2 min
-    python benchmarks/accuracy.py --pretrained smollm2 --variant dense --out-dir $OUT      # ~6 min
-    python benchmarks/accuracy.py --pretrained smollm2 --variant topp  --out-dir $OUT      # ~5 min
-    python benchmarks/accuracy.py --pretrained smollm2 --variant topk  --out-dir $OUT      # ~5 min
-    python benchmarks/accuracy.py --pretrained smollm2 --report --out-dir $OUT
+    G=/tmp/mtraining_gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/accuracy.py --pretrained $G --variant base  --out-dir $OUT                           # ~2-3 min
+    python benchmarks/accuracy.py --pretrained $G --variant dense --out-dir $OUT --max-train-seconds 330   # ~5-6 min
+    python benchmarks/accuracy.py --pretrained $G --variant topp  --out-dir $OUT --max-train-seconds 330   # ~4-6 min
+    python benchmarks/accuracy.py --pretrained $G --variant topk  --out-dir $OUT --max-train-seconds 330   # ~4-5 min
+    python benchmarks/accuracy.py --report --out-dir DIR   # anywhere, from the fetched accuracy_<variant>.json
 
-    python benchmarks/accuracy.py --pretrained smollm2 --smoke --variant all --out-dir /tmp/acc   # CPU, ~2 min
+If the dense run stops early (its JSON's ``speed.stopped_early``), give the sparse ones ``--steps`` = its
+``speed.steps_done`` so that all train the same steps. Optional, ~2 min: ``--variant base_rope`` (the extended RoPE
+before any training: what YaRN alone does).
+
+    python benchmarks/accuracy.py --pretrained smollm2 --smoke --variant all --out-dir /tmp/acc   # CPU, minutes
 
 Sizing (SmolLM2-135M: 30 layers, 9 query / 3 KV heads of dim 64, hidden 576, MLP 1536, vocabulary 49152). Per 32K
 step: the dense causal attention forward is 4 * S^2 * D * H / 2 = 2 * 32768^2 * 64 * 9 = 1.24 TFLOP per layer, 37
@@ -125,18 +131,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-windows", type=int, default=4, help="held-out windows per evaluation")
     p.add_argument("--topk", type=int, nargs=2, default=None, metavar=("V", "S"),
-                   help="top-k variant's verticals and slashes per head (default 256 16; --pretrained: 1024 64)")
+                   help="top-k variant's verticals and slashes per head (default 256 16; --pretrained: 1024 32)")
     p.add_argument("--tile-size", type=int, default=128)
     p.add_argument("--task-lengths", type=int, nargs="+", default=None, help="default: seq/4, seq/2, seq")
     p.add_argument("--task-depths", type=float, nargs="+", default=(0.0, 0.25, 0.5, 0.75, 1.0))
-    p.add_argument("--task-samples", type=int, default=2, help="tasks per (kind, haystack, length, depth)")
+    p.add_argument("--task-samples", type=int, default=None,
+                   help="tasks per (kind, haystack, length, depth) (default 2; --pretrained: 1)")
     p.add_argument("--task-haystacks", nargs="+", default=["text", "code"])
     p.add_argument("--max-files", type=int, default=None, help="read at most this many corpus files (smoke)")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     pre = args.pretrained is not None
     defaults = dict(seq_len=32768 if pre else 16384, steps=150 if pre else 300, warmup=10 if pre else 30,
-                    lr=2e-4 if pre else 1e-3, topk=(1024, 64) if pre else (256, 16))
+                    lr=2e-4 if pre else 1e-3, topk=(1024, 32) if pre else (256, 16), task_samples=1 if pre else 2)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

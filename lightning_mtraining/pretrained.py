@@ -289,7 +289,7 @@ def load_pretrained(
     num_layers: int | None = None,
     tokenizer: bool = True,
 ) -> tuple[Any, Any]:
-    """Load a pretrained causal LM (on the CPU, in training mode off: ``model.eval()``) and its tokenizer.
+    """Load a pretrained causal LM (on the CPU, in eval mode: call ``model.train()`` to train it) and its tokenizer.
 
     Args:
         source: a checkpoint folder, a ``.gguf`` file (or a folder holding one), a hub id, or ``"smollm2"``

@@ -58,6 +58,6 @@ def test_train_example_with_the_real_model(tmp_path_factory, tmp_path):
     assert s["steps"] == 2 and all(math.isfinite(x) and x < 4.0 for x in s["losses"])
     for metric, model in zip(s["losses"], s["model_losses"]):
         assert metric == pytest.approx(model, rel=1e-5)
-    assert 0.0 < s["attention"]["density"] < 1.0
+    assert 0.0 < s["attention"]["attention/density"] < 1.0
     manifest = json.loads((tmp_path / "corpus" / "mtraining_corpus.json").read_text())
     assert manifest["vocab_size"] == 49152 and manifest["packages"] == ["json"]
