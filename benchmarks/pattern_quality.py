@@ -401,31 +401,43 @@ def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
 
 class MaskedSparseAttention:
     """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
-    with it applied as a dense boolean mask (SDPA, one query head at a time, ``rows`` query rows per call), which is
-    what :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the
-    same pattern applied as a dense mask; ``tests/test_pattern_quality_bench.py`` checks this function against
-    :func:`sparse_forward_loss`). On a CPU it runs at SDPA's speed, several times the sparse reference path's at
-    4-8K tokens."""
+    with it applied as a dense boolean mask (SDPA, one query head at a time), which is what
+    :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the same
+    pattern applied as a dense mask; ``tests/test_pattern_quality_bench.py`` checks this function against
+    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal
+    is, :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
+    and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens."""
 
-    def __init__(self, config: SparsityConfig, rows: int = 2048) -> None:
+    def __init__(self, config: SparsityConfig, rows: int = 4096) -> None:
         self.config, self.rows = config, rows
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        from mtraining_kernels.reference import vertical_slash_mask
+        from mtraining_kernels.indexing import computed_tile_offsets
 
         B, H, n, _ = query.shape
         Hkv = key.shape[1]
         pattern = estimate_pattern(query, key, self.config, scale=scaling).expand(H, Hkv)
+        T = pattern.tile_size
+        comp = computed_tile_offsets(pattern.slash_idx, n, T, T)  # [B, H, NT]: tile diagonal d computed
+        NT = comp.shape[-1]
+        tiles = torch.arange(NT)
+        diag = (tiles[:, None] - tiles[None, :]).clamp(min=0)  # [NT, NT] tile diagonal of (query tile, key tile)
+        pos = torch.arange(n)
         out = torch.empty_like(query)
-        for h in range(H):
-            kv = h // (H // Hkv)
-            v_idx, s_idx = pattern.vertical_idx[:, h:h + 1], pattern.slash_idx[:, h:h + 1]
-            for r0 in range(0, n, self.rows):
-                r1 = min(n, r0 + self.rows)
-                mask = vertical_slash_mask(v_idx, s_idx, n, pattern.tile_size, rows=(r0, r1))[:, :, :, :r1]
-                out[:, h:h + 1, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
-                    query[:, h:h + 1, r0:r1], key[:, kv:kv + 1, :r1], value[:, kv:kv + 1, :r1], attn_mask=mask,
-                    scale=scaling)
+        for b in range(B):
+            for h in range(H):
+                kv = h // (H // Hkv)
+                tile_mask = comp[b, h][diag]  # [NT, NT]
+                v = pattern.vertical_idx[b, h]
+                col = torch.zeros(n + 1, dtype=torch.bool)
+                col[torch.where((v >= 0) & (v < n), v, n)] = True
+                for r0 in range(0, n, self.rows):
+                    r1 = min(n, r0 + self.rows)
+                    t = tile_mask[r0 // T:-(-r1 // T)].repeat_interleave(T, 0)[r0 % T:r0 % T + r1 - r0]
+                    t = t.repeat_interleave(T, 1)[:, :r1]
+                    mask = (t | col[:r1]) & (pos[None, :r1] <= pos[r0:r1, None])
+                    out[b, h, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+                        query[b, h, r0:r1], key[b, kv, :r1], value[b, kv, :r1], attn_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -492,6 +504,17 @@ def main_pretrained(args) -> dict:
     rows, got_losses = measure(model, recorder, windows, cfgs, "pretrained", args, None)
     timing = {"load_s": load_s, "measure_s": time.perf_counter() - t0}
     losses = {"pretrained": got_losses}
+
+    def write(sparse_losses: dict) -> dict:  # after the measurement, and again after each sparse forward
+        meta["timing"] = timing
+        record = {"meta": meta, "heldout_loss": {s: {str(n): v for n, v in d.items()} for s, d in losses.items()},
+                  "sparse_loss": {c: {str(n): v for n, v in d.items()} for c, d in sparse_losses.items()},
+                  "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        return record
+
+    write({})
     sparse: dict[str, dict[int, float]] = {}
     if not args.no_sparse_loss:
         for name, cfg in cfgs.items():
@@ -501,11 +524,9 @@ def main_pretrained(args) -> dict:
                 sparse.setdefault(name, {})[n] = forward_loss(model, ids, cfg)
                 print(f"  sparse forward {name} at {n // 1024}K: loss {sparse[name][n]:.4f} (dense "
                       f"{losses['pretrained'][n]:.4f}; {time.perf_counter() - t0:.0f} s)", flush=True)
-    meta["timing"] = timing
-    record = {"meta": meta, "heldout_loss": {s: {str(n): v for n, v in d.items()} for s, d in losses.items()},
-              "sparse_loss": {c: {str(n): v for n, v in d.items()} for c, d in sparse.items()}, "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+                timing[f"sparse_{name}_{n}_s"] = time.perf_counter() - t0
+                write(sparse)
+    record = write(sparse)
     print_tables(rows, list(cfgs), losses, sparse or None)
     print(f"wrote {args.out}")
     if args.plot:
