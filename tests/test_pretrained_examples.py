@@ -26,7 +26,8 @@ def test_smollm2_config_parses(tmp_path, monkeypatch):
     from lightning_mtraining import MTrainingStrategy, SparsityConfig
 
     cli_mod = _cli_module()
-    args = ["--config", str(ROOT / "examples" / "configs" / "smollm2_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    config = ROOT / "examples" / "configs" / "smollm2_cpu.yaml"
+    args = ["--config", str(config), f"--trainer.default_root_dir={tmp_path}"]
     cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False, args=args)
     assert cli.model.hparams.pretrained == "smollm2" and cli.model.hparams.rope is None
     assert cli.model.model is None  # loaded in configure_model, on every rank
