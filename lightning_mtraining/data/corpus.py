@@ -194,16 +194,18 @@ class _PackageEncoder:
         piece_tokens: int,
         progress: bool = False,
         started: float = 0.0,
+        encoder: Any = None,
     ) -> None:
         self.root = root
         self.packages = packages
         self.piece_tokens = piece_tokens
         self.progress = progress
         self.started = started  # time.time() of the build's start (wall clock: this runs in a worker process)
+        self.encoder = encoder
         self._tokens = 0
 
     def __call__(self, index: int) -> Iterator[np.ndarray]:
-        tokens = encode_package(self.root, self.packages[index][1])
+        tokens = (self.encoder or encode_package)(self.root, self.packages[index][1])
         self._tokens += len(tokens)
         total = len(self.packages)
         # About ten lines per build: every tenth of the packages, and the last one.
@@ -222,8 +224,10 @@ def default_corpus_dir() -> Path:
     return Path(os.environ.get("MTRAINING_DATA_DIR", "data")) / "stdlib_bytes"
 
 
-def _fingerprint(root: Path, packages: list[tuple[str, list[str]]], chunk_tokens: int) -> str:
+def _fingerprint(root: Path, packages: list[tuple[str, list[str]]], chunk_tokens: int, encoder: Any = None) -> str:
     digest = hashlib.sha256(f"v{_FORMAT_VERSION} chunk_tokens={chunk_tokens}\n".encode())
+    if encoder is not None:
+        digest.update(f"encoder {encoder.fingerprint}\n".encode())
     for name, files in packages:
         digest.update(f"package {name}\n".encode())
         for rel in files:
@@ -248,6 +252,7 @@ def build_stdlib_corpus(
     chunk_tokens: int = 1 << 22,
     force: bool = False,
     verbose: bool = False,
+    encoder: Any = None,
 ) -> Path:
     """Build the byte-level stdlib corpus as litdata chunks under ``output_dir``; return the folder.
 
@@ -269,6 +274,10 @@ def build_stdlib_corpus(
         force: rebuild even if an up-to-date build exists.
         verbose: print progress while building (a line per tenth of the packages; nothing when the
             corpus is already built).
+        encoder: the tokens of a package document, for a pretrained model's tokenizer: an object with
+            ``__call__(root, files) -> np.ndarray`` (``uint16`` or ``int32`` ids, the document's end token
+            included), ``fingerprint`` (a string that changes whenever the tokens would) and ``vocab_size``
+            (e.g. :class:`lightning_mtraining.hf.pretrained.TokenizerPackageEncoder`). None: the byte-level tokens above.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive; got {chunk_tokens}")
@@ -277,7 +286,7 @@ def build_stdlib_corpus(
     packages = stdlib_packages(root, include=include, exclude=exclude)
     if not packages:
         raise ValueError(f"no .py files selected under {str(root)!r} (include={include}, exclude={exclude})")
-    fingerprint = _fingerprint(root, packages, chunk_tokens)
+    fingerprint = _fingerprint(root, packages, chunk_tokens, encoder)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(output_dir) + ".lock"):
@@ -290,14 +299,14 @@ def build_stdlib_corpus(
         num_files = sum(len(files) for _, files in packages)
         if verbose:
             print(
-                f"building the byte-level corpus of {len(packages)} packages ({num_files} files) from {root} "
-                f"into {output_dir} (once; later runs reuse it)",
+                f"building the {'byte-level' if encoder is None else 'tokenized'} corpus of {len(packages)} "
+                f"packages ({num_files} files) from {root} into {output_dir} (once; later runs reuse it)",
                 flush=True,
             )
         with preserved_rng_states():
             optimize(
                 fn=_PackageEncoder(str(root), packages, piece_tokens=max(1, chunk_tokens // 8), progress=verbose,
-                                    started=start),
+                                    started=start, encoder=encoder),
                 inputs=list(range(len(packages))),
                 output_dir=str(tmp_dir),
                 chunk_size=chunk_tokens,
@@ -316,7 +325,7 @@ def build_stdlib_corpus(
             "format_version": _FORMAT_VERSION,
             "stdlib_dir": str(root),
             "python": sys.version.split()[0],
-            "vocab_size": VOCAB_SIZE,
+            "vocab_size": VOCAB_SIZE if encoder is None else int(encoder.vocab_size),
             "chunk_tokens": chunk_tokens,
             "num_packages": len(packages),
             "num_files": num_files,
@@ -384,25 +393,26 @@ class _ToTrainingSample:
     globally before sharding (the strategy), never here. Module-level class: workers unpickle it.
     """
 
-    def __init__(self, documents: bool = False) -> None:
+    def __init__(self, documents: bool = False, eos_token: int = EOS_TOKEN) -> None:
         self.documents = documents
+        self.eos_token = eos_token
 
     def __call__(self, item: Any) -> dict[str, torch.Tensor]:
         tokens = torch.from_numpy(np.asarray(item).astype(np.int64))
         sample = {"input_ids": tokens, "labels": tokens.clone()}
         if self.documents:
-            sample["position_ids"] = document_position_ids(tokens)
+            sample["position_ids"] = document_position_ids(tokens, self.eos_token)
         return sample
 
 
-def document_position_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 on the token after each ``EOS_TOKEN`` (a document's end token belongs to it),
-    counted from 0 at the window's start: ``tokens [..., S]`` -> int64 of the same shape. What packing pipelines give
-    a model so that packed documents attend only within themselves
+def document_position_ids(tokens: torch.Tensor, eos_token: int = EOS_TOKEN) -> torch.Tensor:
+    """Positions that restart at 0 on the token after each ``eos_token`` (default ``EOS_TOKEN``; a document's end token
+    belongs to it), counted from 0 at the window's start: ``tokens [..., S]`` -> int64 of the same shape. What packing
+    pipelines give a model so that packed documents attend only within themselves
     (:func:`~lightning_mtraining.core.layouts.document_starts` reads them back)."""
     idx = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape)
     new = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-    new[..., 1:] = tokens[..., :-1] == EOS_TOKEN
+    new[..., 1:] = tokens[..., :-1] == eos_token
     start = torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=-1).values
     return idx - start
 
@@ -417,6 +427,7 @@ def token_dataset(
     seed: int = 42,
     cache_dir: str | None = None,
     documents: bool = False,
+    eos_token: int = EOS_TOKEN,
 ) -> Any:
     """A litdata ``StreamingDataset`` of packed ``seq_len``-token windows, sharded by DATA-PARALLEL rank.
 
@@ -428,7 +439,8 @@ def token_dataset(
     ``documents=True`` items also hold ``position_ids`` that restart after each ``EOS_TOKEN``
     (:func:`document_position_ids`): each package attends only within itself and no label crosses into the next
     one, on one device (the model's own attention, see ``parallel.PackedDocuments``) and under context
-    parallelism (the ring masks documents, the strategy reads them from the batch).
+    parallelism (the ring masks documents, the strategy reads them from the batch). ``eos_token``: the id that
+    ends a document (a corpus in a pretrained model's tokens ends its documents with that tokenizer's separator).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive; got {seq_len}")
@@ -442,7 +454,7 @@ def token_dataset(
         # None, not False, for dp_size 1: litdata warns about drop_last=False under a process group.
         drop_last=True if dp_size > 1 else None,
         seed=seed,
-        transform=_ToTrainingSample(documents),
+        transform=_ToTrainingSample(documents, eos_token),
     )
     # The override (see the module docstring): litdata detected the GLOBAL rank/world at
     # construction; it reads `distributed_env` when assigning chunks to ranks in `__iter__` and
@@ -472,6 +484,7 @@ def token_dataloader(
     seed: int = 42,
     cache_dir: str | None = None,
     documents: bool = False,
+    eos_token: int = EOS_TOKEN,
 ) -> Any:
     """A litdata ``StreamingDataLoader`` over :func:`token_dataset`, CP-aware.
 
@@ -494,7 +507,7 @@ def token_dataloader(
         dp_rank, dp_size = data_parallel_rank_size(strategy if strategy is not None else mesh)
     dataset = token_dataset(
         input_dir, seq_len, dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle, seed=seed, cache_dir=cache_dir,
-        documents=documents,
+        documents=documents, eos_token=eos_token,
     )
     return DataParallelStreamingDataLoader(
         dataset, batch_size=batch_size, num_workers=num_workers, drop_last=dp_size > 1

@@ -8,6 +8,8 @@
   :mod:`.fused_loss`: the hook that computes a model's loss without its full logits.
 - :mod:`.tensor_parallel`: decoder layers split over a tensor-parallel mesh axis.
 - :mod:`.prefill`: sparse prefill for ``generate``; :mod:`.compile`: ``torch.compile`` of the decoder layers.
+- :mod:`.pretrained`: real models with no download at run time (a checkpoint folder, a hub id, a ``.gguf`` file, the
+  packaged SmolLM2-135M), their tokenizers, and the RoPE change of context extension.
 """
 
 from lightning_mtraining.hf.compile import compile_decoder_layers

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def _cli_module():
-    spec = importlib.util.spec_from_file_location("mtraining_example_cli", ROOT / "examples" / "cli.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/cli.py", "mtraining_example_cli")
 
 
 def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):

@@ -101,8 +101,8 @@ def _layer_worker(rank: int, world_size: int, cases: list):
     from torch.utils.checkpoint import checkpoint
 
     from lightning_mtraining import SparsityConfig, apply_context_parallel
-    from lightning_mtraining.ring import sparse_op as sparse_ring_op
     from lightning_mtraining.distributed.sharding import shard_batch
+    from lightning_mtraining.ring import sparse_op as sparse_ring_op
 
     inductor_config.compile_threads = 1  # no compile worker pool per rank on a 2-core machine
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))

@@ -11,7 +11,7 @@ their launcher's variables; Lightning's launcher starts processes as a fresh ``p
 - Studio: the platform runs the command once per machine with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
   Lightning (``LightningEnvironment``) starts the machine's second process itself.
 - torchrun: every process gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``,
-  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``. (``tests/test_multinode.py`` runs
+  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``. (``tests/distributed/test_multinode.py`` runs
   real torchrun agents.)
 - SLURM: every process gets srun's variables (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
   ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_NNODES``, ``SLURM_JOB_ID``, ``SLURM_NODELIST``);

@@ -97,9 +97,8 @@ def _two_rank_worker(rank: int, world_size: int) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             mesh_lines.append(record.getMessage())
 
-    import lightning_utilities.core.rank_zero as rank_zero_module
-
     import lightning.pytorch  # noqa: F401 - names the logger rank_zero_info uses
+    import lightning_utilities.core.rank_zero as rank_zero_module
 
     rank_zero_log = logging.getLogger(rank_zero_module.log.name)
     rank_zero_log.setLevel(logging.INFO)

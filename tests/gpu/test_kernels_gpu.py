@@ -109,7 +109,6 @@ def test_gather_columns_kernel_matches_torch_gather(S, D):
     # the one-launch column gather feeding the Gluon kernels against its torch version: a copy, so exact (bf16,
     # GQA 16/2, per-head budgets, B = 2 with lists shared over the batch, key positions not 0..S-1)
     from mtraining_kernels.gluon_common import gather_columns
-
     from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
 
     vi, si = _pattern(1, 2, S, 700, [0, 1, 2, 300], seed=S)

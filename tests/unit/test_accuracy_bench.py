@@ -2,18 +2,14 @@
 steps on the embedded corpus and generated tasks, are scored on tasks served dense and with the sparse prefill, and
 ``--report`` merges them. Checks the plumbing and the records' consistency, not the numbers' quality."""
 
-import importlib.util
 import json
 import math
-import pathlib
+
+from helpers.scripts import load_script
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy.py"
-    spec = importlib.util.spec_from_file_location("accuracy_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/accuracy.py", "accuracy_bench")
 
 
 def test_accuracy_smoke(tmp_path):

@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers.models import VOCAB, make_model
 
 SEQ = 512

@@ -17,6 +17,7 @@ from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block
 
 gluon_common = pytest.importorskip("mtraining_kernels.gluon_common")
 from mtraining_kernels import gluon_backward  # noqa: E402
+
 needs_gluon = pytest.mark.skipif(not gluon_common.HAS_GLUON, reason="this Triton has no Gluon")
 
 
