@@ -72,7 +72,7 @@ def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_s
         try:
             sparse_padding_multiple(layout, 1, block_size, config.tile_size)
         except ValueError as e:
-            raise ValueError(f"{owner}: {e}") from None
+            raise ValueError(f"{owner}: {e}; or sparsity=None for exact dense attention") from None
 
 
 def restore_batch_type(original: Any, sharded: dict[str, Any]) -> Any:

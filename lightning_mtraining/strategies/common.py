@@ -31,6 +31,7 @@ from lightning_mtraining.hf.compile import compile_decoder_layers
 from lightning_mtraining.hf.losses import is_marked_loss, unmarked_loss_message
 from lightning_mtraining.hf.model import PreparedModel, find_hf_models, validate_model
 from lightning_mtraining.hf.parallel import ContextParallel, check_sparsity_args
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
 from lightning_mtraining.strategies.launch import check_node_layout
 from lightning_mtraining.strategies.options import ContextParallelOptions
@@ -79,8 +80,11 @@ class ContextParallelMixin:
     """
 
     def _init_context_parallel(self, options: ContextParallelOptions) -> None:
-        check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [options.sparsity], options.layout,
-                            options.block_size)
+        name = type(self).__name__
+        # the default is sparse: say so when it is the default that cannot tile the layout
+        owner = f"{name}(sparsity=PAPER_SPARSITY, the default)" if options.sparsity == PAPER_SPARSITY else (
+            f"{name}(sparsity=...)")
+        check_sparsity_args(owner, [options.sparsity], options.layout, options.block_size)
         self.options = options
         self._cp: ContextParallel | None = None
         self._models_ready = False

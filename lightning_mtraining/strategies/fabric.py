@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
 from lightning_mtraining.hf.parallel import check_sparsity_args
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin
 from lightning_mtraining.strategies.options import FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.strategies.trainer import register_names
@@ -67,8 +67,8 @@ class _ShardingDataLoader:
 class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
 
-    ``Fabric(strategy="mtraining")`` uses the paper's setting (top-p 0.9, caps 4096), ``"mtraining_dense"`` dense;
-    the numbers: :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
+    ``MTrainingFabricStrategy()`` and ``Fabric(strategy="mtraining")`` use the paper's setting (top-p 0.9, caps
+    4096); ``sparsity=None`` and ``"mtraining_dense"`` are exact dense attention; the numbers: :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
 
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
@@ -89,7 +89,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         attention: SparseAttentionCallback | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,

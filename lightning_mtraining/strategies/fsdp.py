@@ -56,6 +56,9 @@ def _has_dtensors(module: torch.nn.Module) -> bool:
 class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParallelStrategy):
     """Data parallel x context parallel with FSDP2 parameter sharding (see the module docstring).
 
+    ``MTrainingFSDPStrategy()`` and ``strategy="mtraining_fsdp"`` train sparse in the paper's setting
+    (:data:`PAPER_SPARSITY`); ``sparsity=None`` and ``"mtraining_fsdp_dense"`` are exact dense ring attention.
+
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
         reshard_after_forward: FSDP2's option for the decoder layers (``True``: parameters are gathered again in
@@ -71,7 +74,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
         fused_loss: bool | str = True,

@@ -140,8 +140,9 @@ class TrainerStepHooks:
 class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for the Lightning ``Trainer``.
 
-    ``strategy="mtraining"`` is this class with :data:`PAPER_SPARSITY` (top-p 0.9, caps 4096);
-    ``strategy="mtraining_dense"`` with ``sparsity=None``.
+    ``MTrainingStrategy()`` and ``strategy="mtraining"`` are the same thing: sparse ring attention in the paper's
+    training setting (:data:`PAPER_SPARSITY`: top-p 0.9, caps 4096). ``MTrainingStrategy(sparsity=None)`` and
+    ``strategy="mtraining_dense"`` are exact dense ring attention.
 
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
@@ -159,7 +160,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -277,7 +278,8 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
 
 
 def register_names(registry: Any, cls: type) -> None:
-    """``"mtraining"``: sparse ring attention in the paper's training setting; ``"mtraining_dense"``: exact dense."""
+    """``"mtraining"``: ``cls()``, sparse ring attention in the paper's training setting (the class's default,
+    named here too so that the registry says it); ``"mtraining_dense"``: ``cls(sparsity=None)``, exact dense."""
     registry.register(
         "mtraining", cls, description="Data parallel x context parallel, MTraining sparse ring attention (top-p 0.9)",
         sparsity=PAPER_SPARSITY,

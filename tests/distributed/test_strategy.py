@@ -132,7 +132,7 @@ def test_bad_batch_and_model_errors():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(), max_steps=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="contains no transformers PreTrainedModel"):
         trainer.fit(NoHF(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
@@ -141,7 +141,7 @@ def test_bad_batch_and_model_errors():
     # batches without input_ids are tested in test_sharding.py, where the sequence is split).
     from lightning_mtraining.distributed.plan import ContextParallelPlan
 
-    strategy = MTrainingStrategy(block_size=4)
+    strategy = MTrainingStrategy(block_size=4, sparsity=None)
     strategy._plan = ContextParallelPlan(block_size=4)  # what setup_distributed builds at world size 1
     odd = {"tokens": torch.ones(2, 5, dtype=torch.long)}
     assert strategy.shard_batch(odd) is odd
@@ -201,7 +201,7 @@ def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
 
     def trainer(steps, **kw):
         kw.setdefault("enable_checkpointing", False)
-        return L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4),
+        return L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4, sparsity=None),
                          max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, **kw)
 
@@ -264,7 +264,7 @@ def test_attention_callback_per_layer_options_with_configure_model():
     assert [layer.self_attn._mtraining_ring.sparsity for layer in model.model.layers] == [None, budgets]
 
     def trainer(cb):
-        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16), max_steps=1,
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None), max_steps=1,
                          callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=1)
 

@@ -83,7 +83,7 @@ def _trainer(world_size: int, **strategy_kwargs: Any):
     from lightning_mtraining import MTrainingStrategy
 
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**strategy_kwargs), max_steps=1,
+        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}), max_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
 
@@ -289,7 +289,7 @@ def test_model_config_fails_before_any_process_starts(monkeypatch):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(8, dtype=torch.long)}] * 2, batch_size=1)
-    trainer = _quiet_trainer(devices=2, strategy=MTrainingStrategy(), max_steps=1)
+    trainer = _quiet_trainer(devices=2, strategy=MTrainingStrategy(sparsity=None), max_steps=1)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel .*attention dropout \(config\.attn_pdrop=0\.1\)"):
         trainer.fit(GPT2Module(), loader)
 

@@ -115,7 +115,7 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
 
     if scenario.get("quiet", True):
         quiet()
-    strategy_kwargs = dict(scenario.get("strategy", {}))
+    strategy_kwargs = {"sparsity": None, **scenario.get("strategy", {})}  # dense unless the scenario says otherwise
     if scenario.get("fsdp"):
         from lightning_mtraining.strategies.fsdp import MTrainingFSDPStrategy
 
