@@ -48,7 +48,18 @@ from lightning_mtraining.hf.attention import (
 from lightning_mtraining.hf.losses import exact_group_loss
 
 __all__ = ["NonFiniteWatch", "PreparedModel", "SUPPORTED_LAYER_TYPES", "attention_modules", "decoder_layers",
-           "find_hf_models", "prepare_model", "validate_model"]
+           "find_hf_models", "packed_documents_cache_error", "prepare_model", "validate_model"]
+
+
+def packed_documents_cache_error(name: str) -> ValueError:
+    """The error for packed documents with ``use_cache=True``, the same on one device and under context parallelism:
+    transformers' own attention ignores the document boundaries when a cache is made, and a training forward has
+    no use for one."""
+    return ValueError(
+        f"{name} received packed documents (position_ids that restart) with use_cache=True: transformers' attention "
+        "ignores the document boundaries when it makes a cache, and training needs none. Pass use_cache=False (or "
+        "nothing) when training on packed sequences"
+    )
 
 
 class NonFiniteWatch:
@@ -290,6 +301,8 @@ class PreparedModel:
             )
         if kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False
+        elif kwargs["use_cache"] and cur.doc_start is not None:  # as on one device (PackedDocuments)
+            raise packed_documents_cache_error(name)
         labels = kwargs.get("labels")
         self._scale_loss = labels is not None
         if labels is None:
@@ -300,7 +313,7 @@ class PreparedModel:
             if found is None:  # labels built in training_step: shift them over the CP group
                 found = shift_labels_sharded(
                     labels, cur.target_valid, group=plan.group, cp_rank=plan.cp_rank, cp_size=plan.cp_size,
-                    layout=plan.layout, block_size=plan.block_size,
+                    layout=plan.layout, block_size=plan.block_size, lengths=cur.lengths, seq_len=cur.seq_len,
                 )
             kwargs["shift_labels"], count = found
         num_items = kwargs.get("num_items_in_batch")

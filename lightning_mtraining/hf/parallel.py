@@ -52,6 +52,7 @@ from lightning_mtraining.hf.model import (
     PreparedModel,
     attention_modules,
     find_hf_models,
+    packed_documents_cache_error,
     prepare_model,
     validate_model,
 )
@@ -230,10 +231,7 @@ class PackedDocuments:
                 )
             kwargs["attention_mask"] = None
         if kwargs.get("use_cache"):
-            raise ValueError(
-                f"{name} received packed documents with use_cache=True: transformers then ignores the document "
-                "boundaries. Pass use_cache=False (or nothing) when training on packed sequences"
-            )
+            raise packed_documents_cache_error(name)
         kwargs["use_cache"] = False
         labels = kwargs.get("labels")
         if isinstance(labels, torch.Tensor) and labels.shape[-1] == doc.shape[-1]:
