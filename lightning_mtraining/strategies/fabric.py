@@ -29,6 +29,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -153,6 +154,9 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if self.attention_schedule is not None:  # Fabric has no global step: count optimizer steps for the warm-up
             self.attention_schedule.set_step(self.attention_schedule.step + 1)
+            note = self.attention_schedule.dense_cost_note()  # once: a sparse run at a dense run's cost
+            if note is not None:
+                rank_zero_info(note)
         return output
 
     @override
