@@ -186,6 +186,44 @@ def test_fsdp_strategy_matches_single_process(world_size, cp):
     assert StrategyRegistry["mtraining_fsdp_dense"]["init_params"] == {"sparsity": None}
 
 
+def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool) -> list[tuple[list[int], float]]:
+    """The (sample indices, loss) of each step of a Trainer on a shuffled loader with a seeded generator."""
+    import lightning as L
+
+    from lightning_mtraining.strategies.trainer import MTrainingStrategy
+
+    if world_size > 1:
+        elastic_env(rank, world_size, world_size)
+    quiet()
+    module = lightning_module_class()("qwen2")
+    loader = torch.utils.data.DataLoader(make_samples(8, 13), batch_size=2, shuffle=True,
+                                         generator=torch.Generator().manual_seed(7))
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4, sparsity=None),
+                        max_steps=4, use_distributed_sampler=use_distributed_sampler, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    return module.records
+
+
+def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[int], float]]]:
+    return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
+
+
+@pytest.mark.slow
+def test_a_shuffled_loader_gives_one_devices_losses_as_the_readme_says():
+    """The README's recipe for comparing with one device: data-parallel size 1, ``use_distributed_sampler=False``
+    and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device run's samples in its order
+    and see its losses (2e-5, see the module docstring). Lightning's default injects a DistributedSampler with its
+    own shuffle, so the default run reads another order: the recipe is needed, not decoration."""
+    one_device = _shuffled_fit(0, 1, True)
+    for rank, runs in enumerate(run_distributed(_shuffled_worker, 2, timeout=300)):
+        recipe, default = runs[False], runs[True]
+        assert [idx for idx, _ in recipe] == [idx for idx, _ in one_device], (rank, recipe, one_device)
+        for (_, got), (_, want) in zip(recipe, one_device):
+            assert abs(got - want) < 2e-5, (rank, got, want)
+        assert [idx for idx, _ in default] != [idx for idx, _ in one_device], rank
+
+
 def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     """Validation with sync_dist, checkpoint save/resume, bf16-mixed and bf16-true on CP=2."""
     import lightning as L
