@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mtraining.core.errors import same_on_ranks_of
 from lightning_mtraining.core.layouts import (
     document_starts,
     global_positions,
@@ -411,7 +412,8 @@ def shift_labels_sharded(
     if lengths is not None and seq_len is not None and min(lengths, default=seq_len) < seq_len:
         positions = torch.arange(full.shape[1], device=full.device)
         row_lengths = torch.tensor(lengths, device=full.device)[:, None]
-        check_padded_labels(full, (positions >= row_lengths) & (positions < seq_len), ignore_index)
+        with same_on_ranks_of(group):  # every rank checks the same gathered labels
+            check_padded_labels(full, (positions >= row_lengths) & (positions < seq_len), ignore_index)
     full_valid = all_gather_sequence(valid, 1, group=group, cp_size=cp_size, layout=layout, block_size=block_size)
     shifted = shift_labels(full, full_valid, ignore_index)
     count = int((shifted != ignore_index).sum())

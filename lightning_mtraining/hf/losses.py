@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks
 from lightning_mtraining.core.layouts import document_starts
 from lightning_mtraining.distributed.sharding import (
     IGNORE_INDEX,
@@ -198,8 +199,9 @@ def _aligned_targets(
     counts = torch.stack([(targets != ignore_index).sum(), ((tensor != ignore_index) & user_padding).sum()])
     if sharded.cp_size > 1:
         dist.all_reduce(counts, group=sharded.group)
-    if int(counts[1]):
-        raise padded_labels_error([], int(counts[1]), "the shifted labels")
+    if int(counts[1]):  # the group's sum: every rank raises alike
+        raise mark_same_on_ranks(padded_labels_error([], int(counts[1]), "the shifted labels"),
+                                 *group_ranks(sharded.group), "every rank of the context-parallel group")
     return targets, counts[0], sharded
 
 

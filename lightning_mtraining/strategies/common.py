@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks, same_on_ranks
 from lightning_mtraining.distributed.mesh import (
     build_context_parallel,
     describe_mesh,
@@ -205,10 +206,18 @@ class ContextParallelMixin:
         configs = [self.sparsity, *(attention.configs() if attention is not None else [])]
         return [c for c in configs if c is not None]
 
+    def same_everywhere(self) -> Any:
+        """A context in which a failing check is one every rank finds alike (the models, the options): reported
+        once, by global rank 0 (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Usable
+        before the process group exists (the ranks come from the cluster environment)."""
+        return same_on_ranks(self.global_rank, 0, max(self.world_size, 1), "every rank")
+
     def validate_models(self, module: torch.nn.Module) -> None:
-        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce."""
-        for model in find_hf_models(module):
-            validate_model(model)
+        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce (reported
+        once, see :meth:`same_everywhere`)."""
+        with self.same_everywhere():
+            for model in find_hf_models(module):
+                validate_model(model)
 
     def prepare_models(
         self,
@@ -303,8 +312,9 @@ class ContextParallelMixin:
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or is_marked_loss(loss):
             return
         message = unmarked_loss_message(type(self).__name__, self.plan.cp_size, self.plan.layout)
-        if self.loss_check == "raise":
-            raise RuntimeError(message)
+        if self.loss_check == "raise":  # the CP group's ranks ran the same step on the same batch: reported once
+            raise mark_same_on_ranks(RuntimeError(message), *group_ranks(self.plan.group),
+                                     "every rank of the context-parallel group")
         if not self._warned_loss:
             self._warned_loss = True
             rank_zero_warn(message)

@@ -42,47 +42,26 @@ exact gradient; see Note [Exact losses and gradients] in :mod:`lightning_mtraini
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_mtraining.core.rng import preserved_rng_states
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
+from lightning_mtraining.strategies.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import FSDP_ONLY, ContextParallelOptions, document_options
 
 __all__ = ["MTrainingStrategy", "TrainerStepHooks", "register_names"]
-
-
-class _ChecksBeforeLaunch:
-    """Mixed into Lightning's launchers: the strategy's checks run in the launching process, before other
-    processes start, so a bad configuration gives one short error instead of one traceback per rank."""
-
-    _mtraining_strategy: MTrainingStrategy
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._mtraining_strategy.check_before_launch(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-
-class _CheckedSubprocessScriptLauncher(_ChecksBeforeLaunch, _SubprocessScriptLauncher):
-    def __init__(self, strategy: MTrainingStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._mtraining_strategy = strategy
-
-
-class _CheckedMultiProcessingLauncher(_ChecksBeforeLaunch, _MultiProcessingLauncher):
-    def __init__(self, strategy: MTrainingStrategy, *args: Any, **kwargs: Any) -> None:
-        super().__init__(strategy, *args, **kwargs)
-        self._mtraining_strategy = strategy
 
 
 class TrainerStepHooks:
@@ -124,6 +103,16 @@ class TrainerStepHooks:
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().predict_step(*args, **kwargs)
         return self.gather_outputs(output) if self.options.gather_outputs else output
+
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with super().model_sharded_context():
+            yield
+        # configure_model has just built the models: check them now, before anything else runs (a checkpoint's
+        # restore, DDP's broadcast), so that every rank fails at once and the failure is reported once
+        if self.lightning_module is not None:
+            self.validate_models(self.lightning_module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -200,11 +189,11 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         self._check_sizes_before_launch()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessScriptLauncher(
+            self._launcher = CheckedSubprocessScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     def check_before_launch(self, trainer: Any) -> None:
         """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
@@ -212,12 +201,13 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         Runs in the launching process before other processes start (again on every rank in ``setup``, which
         also covers models built in ``configure_model``).
         """
-        check_sparsity_args(
-            f"{type(self).__name__} with SparseAttentionCallback",
-            self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
-        )
-        if self.lightning_module is not None:
-            self.validate_models(self.lightning_module)
+        with self.same_everywhere():
+            check_sparsity_args(
+                f"{type(self).__name__} with SparseAttentionCallback",
+                self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
+            )
+            if self.lightning_module is not None:
+                self.validate_models(self.lightning_module)
 
     @override
     def setup_distributed(self) -> None:
