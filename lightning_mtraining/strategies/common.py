@@ -213,11 +213,10 @@ class ContextParallelMixin:
         return same_on_ranks(self.global_rank, 0, max(self.world_size, 1), "every rank")
 
     def validate_models(self, module: torch.nn.Module) -> None:
-        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce (reported
-        once, see :meth:`same_everywhere`)."""
-        with self.same_everywhere():
-            for model in find_hf_models(module):
-                validate_model(model)
+        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce. Run it
+        inside :meth:`same_everywhere` where every rank runs it (the error is then reported once)."""
+        for model in find_hf_models(module):
+            validate_model(model)
 
     def prepare_models(
         self,

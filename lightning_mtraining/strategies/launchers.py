@@ -114,7 +114,7 @@ class ChecksBeforeLaunch:
     _mtraining_strategy: Any
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._mtraining_strategy.check_before_launch(trainer)
+        self._mtraining_strategy.check_before_launch(trainer, alone=True)  # before the processes are spawned
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
@@ -131,9 +131,10 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         # Lightning's launch (lightning 2.6), with the checks first and this module's watcher
-        self._mtraining_strategy.check_before_launch(trainer)
+        starts_others = not self.cluster_environment.creates_processes_externally
+        self._mtraining_strategy.check_before_launch(trainer, alone=starts_others)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        if starts_others:
             self._call_children_scripts()
             self.local_ranks = LocalRanks(self.procs, self.cluster_environment.global_rank(), self.grace_s)
             self.local_ranks.start()

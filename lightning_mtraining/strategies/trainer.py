@@ -54,6 +54,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
+from lightning_mtraining.core.errors import same_on_ranks
 from lightning_mtraining.core.rng import preserved_rng_states
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
@@ -112,7 +113,8 @@ class TrainerStepHooks:
         # configure_model has just built the models: check them now, before anything else runs (a checkpoint's
         # restore, DDP's broadcast), so that every rank fails at once and the failure is reported once
         if self.lightning_module is not None:
-            self.validate_models(self.lightning_module)
+            with self.same_everywhere():
+                self.validate_models(self.lightning_module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -195,13 +197,16 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         else:
             self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
-    def check_before_launch(self, trainer: Any) -> None:
+    def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
         """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
 
-        Runs in the launching process before other processes start (again on every rank in ``setup``, which
-        also covers models built in ``configure_model``).
+        Runs in the launching process before other processes start (``alone``: no other rank exists yet; the
+        launcher knows), or on every rank when they were started by others (torchrun, SLURM): a failure is then
+        reported once (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Models built in
+        ``configure_model`` are checked when it returns (``model_sharded_context``), and every model again in
+        ``setup``.
         """
-        with self.same_everywhere():
+        with same_on_ranks(0, 0, 1, "this process") if alone else self.same_everywhere():
             check_sparsity_args(
                 f"{type(self).__name__} with SparseAttentionCallback",
                 self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
