@@ -34,6 +34,7 @@ from lightning_mtraining.hf.parallel import apply_fsdp
 from lightning_mtraining.hf.tensor_parallel import apply_tensor_parallel, clip_grad_norm_, local_sparsity
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
+from lightning_mtraining.strategies.launchers import CheckedSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import ContextParallelOptions, document_options
 from lightning_mtraining.strategies.trainer import TrainerStepHooks
 
@@ -162,8 +163,13 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
 
     @override
     def _configure_launcher(self) -> None:
+        # ModelParallelStrategy's, with the checks before launch and no local rank outliving a failure
+        # (Note [No rank outlives a failure] in lightning_mtraining.strategies.launchers)
         self._check_sizes_before_launch()
-        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = CheckedSubprocessScriptLauncher(self, self.cluster_environment, self.num_processes,
+                                                             self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

@@ -69,8 +69,35 @@ class TrainerStepHooks:
     """The Trainer hooks both Trainer strategies (:class:`MTrainingStrategy`, DDP, and
     :class:`~lightning_mtraining.strategies.fsdp.MTrainingFSDPStrategy`, FSDP2) add to their Lightning base: shard
     each batch, check the loss before backward, offload saved activations, give step outputs back whole, restore the
-    models at teardown. Placed before the Lightning strategy in the bases; needs :class:`ContextParallelMixin` and
-    ``options.gather_outputs`` and ``options.offload_activations``."""
+    models at teardown; the checks before launch (:meth:`check_before_launch`, called by the launchers of
+    :mod:`lightning_mtraining.strategies.launchers`). Placed before the Lightning strategy in the bases; needs
+    :class:`ContextParallelMixin` and ``options.gather_outputs`` and ``options.offload_activations``."""
+
+    def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
+        """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
+
+        Runs in the launching process before other processes start (``alone``: no other rank exists yet; the
+        launcher knows), or on every rank when they were started by others (torchrun, SLURM): a failure is then
+        reported once (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Models built in
+        ``configure_model`` are checked when it returns (``model_sharded_context``), and every model again in
+        ``setup``.
+        """
+        with same_on_ranks(0, 0, 1, "this process") if alone else self.same_everywhere():
+            check_sparsity_args(
+                f"{type(self).__name__} with SparseAttentionCallback",
+                self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
+            )
+            if self.lightning_module is not None:
+                self.validate_models(self.lightning_module)
+
+    @staticmethod
+    def _attention_callback(trainer: Any) -> Any:
+        from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
+
+        callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, SparseAttentionCallback)]
+        if len(callbacks) > 1:
+            raise ValueError(f"found {len(callbacks)} SparseAttentionCallback instances; pass at most one")
+        return callbacks[0] if callbacks else None
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -197,23 +224,6 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         else:
             self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
-    def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
-        """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
-
-        Runs in the launching process before other processes start (``alone``: no other rank exists yet; the
-        launcher knows), or on every rank when they were started by others (torchrun, SLURM): a failure is then
-        reported once (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Models built in
-        ``configure_model`` are checked when it returns (``model_sharded_context``), and every model again in
-        ``setup``.
-        """
-        with same_on_ranks(0, 0, 1, "this process") if alone else self.same_everywhere():
-            check_sparsity_args(
-                f"{type(self).__name__} with SparseAttentionCallback",
-                self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
-            )
-            if self.lightning_module is not None:
-                self.validate_models(self.lightning_module)
-
     @override
     def setup_distributed(self) -> None:
         if self.num_nodes * self.num_processes == 1:
@@ -224,15 +234,6 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         else:
             super().setup_distributed()
         self._build_context_parallel()
-
-    @staticmethod
-    def _attention_callback(trainer: Any) -> Any:
-        from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
-
-        callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, SparseAttentionCallback)]
-        if len(callbacks) > 1:
-            raise ValueError(f"found {len(callbacks)} SparseAttentionCallback instances; pass at most one")
-        return callbacks[0] if callbacks else None
 
     @override
     def setup(self, trainer: Any) -> None:
