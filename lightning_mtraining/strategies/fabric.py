@@ -38,6 +38,7 @@ from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallba
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin
+from lightning_mtraining.strategies.launchers import FabricSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.strategies.trainer import register_names
 
@@ -129,6 +130,9 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         # Called by Fabric's connector once devices and nodes are known: bad sizes fail at Fabric(...).
         self._check_sizes_before_launch()
         super()._configure_launcher()
+        if self._start_method == "popen":  # no local rank outlives a failure (Note [No rank outlives a failure])
+            self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                            self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:

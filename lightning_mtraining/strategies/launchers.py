@@ -18,11 +18,14 @@ after the job has ended. :class:`LocalRanks` replaces Lightning's watcher with o
   collective errors out once the child's sockets close), then every child and this process are killed.
 
 Either way no process of the node outlives the job. Other nodes are their own launchers' to end (their collectives
-fail once this node's ranks are gone).
+fail once this node's ranks are gone). With Fabric, the script goes on after ``fabric.launch()``: a failure there
+is this process's when it ends with an uncaught exception (``sys.last_value``, set before the interpreter's exit
+handlers run), which an exit handler turns into :meth:`LocalRanks.end_after_failure`.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -31,10 +34,14 @@ import threading
 import time
 from typing import Any, Callable
 
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+)
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessScriptLauncher", "LocalRanks"]
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessScriptLauncher", "FabricSubprocessScriptLauncher",
+           "LocalRanks"]
 
 # SIGKILL: a process blocked in a collective does not act on SIGTERM (Lightning's watcher uses SIGKILL for the same
 # reason); Windows has only SIGTERM.
@@ -91,6 +98,11 @@ class LocalRanks(threading.Thread):
         if running:
             self._say(f"local rank(s) {running} still running {self.grace_s:.0f} s after this rank failed: ending them")
             self._kill_children()
+
+    def end_if_this_failed(self) -> None:
+        """At exit: :meth:`end_after_failure` if this process ends with an uncaught exception."""
+        if getattr(sys, "last_value", None) is not None and not self._this_failed.is_set():
+            self.end_after_failure()
 
     def _say(self, message: str) -> None:
         sys.stderr.write(f"[rank{self.rank}]: {message}\n")
@@ -153,3 +165,31 @@ class CheckedMultiProcessingLauncher(ChecksBeforeLaunch, _MultiProcessingLaunche
     def __init__(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(strategy, *args, **kwargs)
         self._mtraining_strategy = strategy
+
+
+class FabricSubprocessScriptLauncher(_FabricSubprocessScriptLauncher):
+    """Fabric's subprocess launcher (``Fabric(devices=N)`` from a script) with :class:`LocalRanks` instead of
+    Lightning's watcher: a failure inside ``fabric.launch(fn)``, or one that ends the script after
+    ``fabric.launch()``, ends the children still running after ``grace_s`` (Note [No rank outlives a failure])."""
+
+    grace_s = 10.0
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.local_ranks: LocalRanks | None = None
+
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        # Fabric's launch (lightning 2.6), with this module's watcher
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self.local_ranks = LocalRanks(self.procs, self.cluster_environment.global_rank(), self.grace_s)
+            self.local_ranks.start()
+            atexit.register(self.local_ranks.end_if_this_failed)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except Exception:
+            if self.local_ranks is not None:
+                self.local_ranks.end_after_failure()
+            raise

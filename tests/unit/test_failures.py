@@ -189,3 +189,22 @@ def test_a_failing_child_ends_this_process_after_the_grace_period(monkeypatch):
     assert not ranks.is_alive()
     assert killed_self == [signal.SIGKILL] and stalled.returncode == -signal.SIGKILL
     assert time.monotonic() - start >= 0.5  # not before the grace period
+
+
+def test_at_exit_children_are_ended_only_after_an_uncaught_failure(monkeypatch):
+    """Fabric's script goes on after fabric.launch(): at exit, children are ended if the script ends with an uncaught
+    exception (sys.last_value), and left alone after a clean end."""
+    from lightning_mtraining.strategies.launchers import LocalRanks
+
+    child = _sleeper()
+    try:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+        LocalRanks([child], grace_s=0.2).end_if_this_failed()
+        assert child.poll() is None  # a clean end: the child is not this process's to end
+        monkeypatch.setattr(sys, "last_value", ValueError("uncaught"), raising=False)
+        LocalRanks([child], grace_s=0.2).end_if_this_failed()
+        assert child.returncode == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
