@@ -4,7 +4,8 @@ With right padding and ``labels = input_ids`` (labels not -100 where ``attention
 the padded positions' targets, which ring attention cannot reproduce (Note [Labels at padding] in
 ``lightning_mtraining.distributed.sharding``). On 2 gloo ranks (dense ring, striped, 37 tokens padded to 64, one
 row right-padded by 6) every way such labels reach a loss is refused on both ranks alike: in the batch, built in
-the step and passed as ``labels=``, and through ``causal_lm_loss``. With the fix the error names (-100 at padding)
+the step and passed as ``labels=``, and through ``causal_lm_loss`` (labels, and next-token targets with
+``shifted=True``). With the fix the error names (-100 at padding)
 the loss is one device's: a Hugging Face Llama (eager attention) on the whole batch, to 2e-5 (float32, blockwise
 against one softmax: ~1e-6, see ``test_strategy.py``); and one device with the unmasked labels is measurably
 different (more than 1e-5 here), which is why those labels cannot be accepted silently. ``causal_lm_loss(logits,
@@ -57,6 +58,7 @@ def _worker(rank: int, world_size: int) -> dict[str, object]:
     with torch.no_grad():
         logits = model(**sharded).logits
         out["helper"] = error(lambda: causal_lm_loss(logits, sharded["input_ids"].clone()))
+        out["helper_shifted"] = error(lambda: causal_lm_loss(logits, sharded["input_ids"].clone(), shifted=True))
         out["input_ids_targets"] = float(causal_lm_loss(logits, sharded))  # no labels: targets from input_ids
         out["fixed"] = float(model(**cp.shard(_batch(masked=True))).loss)
     return out
@@ -76,7 +78,7 @@ def test_labels_at_padding_are_refused_or_give_one_devices_loss():
     assert abs(want_input_ids - want) < 1e-6  # input_ids as targets: padding has none on one device too
 
     for rank, got in enumerate(run_distributed(_worker, 2)):
-        for where in ("in_batch", "built_in_step", "helper"):
+        for where in ("in_batch", "built_in_step", "helper", "helper_shifted"):
             message = got[where]
             assert message is not None, f"rank {rank}: labels at padding were accepted ({where})"
             assert "targets at padded positions (attention_mask 0)" in message, message
