@@ -5,12 +5,11 @@ the padded positions' targets, which ring attention cannot reproduce (Note [Labe
 ``lightning_mtraining.distributed.sharding``). On 2 gloo ranks (dense ring, striped, 37 tokens padded to 64, one
 row right-padded by 6) every way such labels reach a loss is refused on both ranks alike: in the batch, built in
 the step and passed as ``labels=``, and through ``causal_lm_loss`` (labels, and next-token targets with
-``shifted=True``). With the fix the error names (-100 at padding)
-the loss is one device's: a Hugging Face Llama (eager attention) on the whole batch, to 2e-5 (float32, blockwise
-against one softmax: ~1e-6, see ``test_strategy.py``); and one device with the unmasked labels is measurably
-different (more than 1e-5 here), which is why those labels cannot be accepted silently. ``causal_lm_loss(logits,
-batch)`` on a batch without labels (targets from ``input_ids``) gives no target to padding on one device and on the
-ranks alike.
+``shifted=True``). With the fix the error names (-100 at padding) the loss is one device's: a Hugging Face Llama
+(eager attention) on the whole batch, to 2e-5 (float32, blockwise against one softmax: ~1e-6, see
+``test_strategy.py``). One device with the unmasked labels gives another loss (by more than 1e-5 here), which is why
+those labels cannot be accepted silently. ``causal_lm_loss(logits, batch)`` on a batch without labels (targets from
+``input_ids``) gives padding no target, on one device and on the ranks alike.
 """
 
 from __future__ import annotations
