@@ -69,8 +69,9 @@ class _ShardingDataLoader:
 class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
 
-    ``MTrainingFabricStrategy()`` and ``Fabric(strategy="mtraining")`` use the paper's setting (top-p 0.9, caps
-    4096); ``sparsity=None`` and ``"mtraining_dense"`` are exact dense attention; the numbers: :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
+    ``MTrainingFabricStrategy()`` and ``Fabric(strategy="mtraining")`` use the paper's setting (:data:`PAPER_SPARSITY`:
+    top-p 0.9, caps 4096); ``sparsity=None`` and ``"mtraining_dense"`` are exact dense attention; the numbers:
+    :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
 
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
