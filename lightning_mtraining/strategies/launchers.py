@@ -1,5 +1,5 @@
-"""The Trainer strategies' process launchers: the strategy's checks before any other process starts, and no local
-rank left running after one fails.
+"""The strategies' process launchers (Trainer and Fabric): the strategy's checks before any other process starts,
+and no local rank left running after one fails.
 
 Note [No rank outlives a failure]
 ---------------------------------
@@ -12,8 +12,8 @@ after the job has ended. :class:`LocalRanks` replaces Lightning's watcher with o
 
 - this process fails: the children get ``grace_s`` seconds to end on their own (a failure every rank finds ends
   them within a second or two, each with its one-line report, Note [Failures that speak once] in
-  :mod:`lightning_mtraining.core.errors`); those still running are killed (SIGKILL: a process blocked in a
-  collective ignores SIGTERM), then the error goes on;
+  :mod:`lightning_mtraining.core.errors`); those still running are killed (SIGKILL: SIGTERM does not
+  reliably end a process blocked in a collective), then the error goes on;
 - a child fails: this process gets ``grace_s`` seconds to end on its own (it usually fails the same way, or its
   collective errors out once the child's sockets close), then every child and this process are killed.
 
@@ -43,8 +43,8 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessScriptLauncher", "FabricSubprocessScriptLauncher",
            "LocalRanks"]
 
-# SIGKILL: a process blocked in a collective does not act on SIGTERM (Lightning's watcher uses SIGKILL for the same
-# reason); Windows has only SIGTERM.
+# SIGKILL: SIGTERM does not reliably end a process blocked in a collective (Lightning's watcher uses SIGKILL for the
+# same reason); Windows has only SIGTERM.
 _KILL = signal.SIGTERM if sys.platform == "win32" else signal.SIGKILL
 
 
