@@ -58,9 +58,9 @@ FIELD_DOCS: dict[str, str] = {
         "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) "
         "attention. The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
         "PAPER_SPARSITY` (top-p 0.9, caps 4096), which is what ``strategy=\"mtraining\"`` means; "
-        "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of short sequences (with the "
-        "caps, below about 16K tokens on a model whose attention is spread out, as at random initialisation): such "
-        "runs log once that they train at dense cost. Per-layer overrides and the logged density and imbalance: "
+        "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of the short sequences one "
+        "tries first (1-8K tokens) when the model's attention is spread out (random initialisation): such a run logs "
+        "once that it trains at dense cost, and what to do. Per-layer overrides and the logged density and imbalance: "
         ":class:`~lightning_mtraining.callbacks.sparse_attention.SparseAttentionCallback`."),
     "loss_check": (
         "what to do when the loss reaching backward did not come through a sharding-aware path "
