@@ -34,7 +34,7 @@ from lightning_mtraining.hf.model import PreparedModel, find_hf_models, validate
 from lightning_mtraining.hf.parallel import ContextParallel, check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
-from lightning_mtraining.strategies.launch import check_node_layout
+from lightning_mtraining.strategies.cluster import check_node_layout
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
 __all__ = ["ContextParallelMixin", "option_view"]
@@ -184,7 +184,7 @@ class ContextParallelMixin:
 
     def _check_node_layout(self) -> None:
         """This rank's node, as the cluster environment reports it, must be the one its CP group and inner ring are
-        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.launch`)."""
+        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.cluster`)."""
         environment = getattr(self, "cluster_environment", None)
         if environment is None or self.world_size == 1:
             return
