@@ -6,7 +6,7 @@ and the user's frame, in at most a few lines; any other rank: one line naming th
 prints it for an uncaught exception and the full traceback when asked, which checks mark what they raise (and which
 must not), that a model built in ``configure_model`` is checked before the strategy's ``setup`` runs, and the
 launcher's rule for child processes (children of this test: ``sleep`` processes). The multi-process runs under
-Lightning's own launcher are in ``tests/distributed/test_failures.py``.
+Lightning's own launcher are in ``tests/distributed/test_failures_across_ranks.py``.
 """
 
 from __future__ import annotations
