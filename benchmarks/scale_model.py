@@ -624,7 +624,7 @@ def plan_config(p: dict, shape_name: str, shape: ModelShape, seq_len: int, nodes
 
     ``cpu=True``: the same world, strategy and ring on CPU processes, scaled down to run anywhere (a tiny model of the
     same family, ``2 x cp x block`` - 1 tokens, float32, 2 steps, no logger or checkpoints)."""
-    from lightning_mtraining.strategies.launch import trainer_config
+    from lightning_mtraining.strategies.cluster import trainer_config
 
     b = p["best"]
     family = "llama" if "llama" in shape_name.lower() else "qwen2"
@@ -657,7 +657,7 @@ def plan_config(p: dict, shape_name: str, shape: ModelShape, seq_len: int, nodes
 def config_comments(p: dict, plan_text: str, command: str, config_path: str | None, nodes: int, per_node: int,
                     cpu: bool) -> list[str]:
     """The header of the emitted config: how it was made, what the model predicts, how to launch it."""
-    from lightning_mtraining.strategies.launch import launch_commands
+    from lightning_mtraining.strategies.cluster import launch_commands
 
     b = p["best"]
     path = config_path or "plan.yaml"
@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> None:
         res = plan(shape, hw, tokens, nodes, per_node, costs, rest, args.bytes_per_param, args.fsdp, cache, args.cp)
         text = _fmt_plan(res, name, hw, tokens, nodes, per_node)
         print(text)
-        from lightning_mtraining.strategies.launch import cli_command, submit_studio_job, to_yaml
+        from lightning_mtraining.strategies.cluster import cli_command, submit_studio_job, to_yaml
 
         config = plan_config(res, name, shape, tokens, nodes, per_node, bytes_per_param=args.bytes_per_param,
                              fsdp=args.fsdp, max_steps=args.max_steps, cpu=args.cpu)

@@ -4,7 +4,10 @@ The strategy's ``sparsity`` applies to every layer; this callback overrides it p
 budgets per layer) and says how often to measure. Each measured training step it logs ``attention/density`` (the
 share of causal pairs the patterns allow), ``attention/imbalance`` (the ring's critical-path work over the mean
 rank's, 1.0 = balanced) and, when enabled, ``attention/recall`` (the share of attention mass the patterns keep) to
-the progress bar and every logger, plus the same per layer (``attention/density/layer_3``, ...).
+the progress bar and every logger, plus the same per layer (``attention/density/layer_3``, ...). When the patterns
+keep nearly every pair (short sequences, spread-out attention: a sparse step then costs a dense one's plus the
+estimation), rank 0 logs that once, with what to do instead
+(:meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.dense_cost_note`).
 
 :class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so models
 built there are covered), and adds one with the default options when a run is sparse and none was given. The
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -174,3 +178,6 @@ class SparseAttentionCallback(Callback):
         # already world values (the metrics synced them): no sync_dist
         pl_module.log_dict(headline, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log_dict(layers, prog_bar=False, on_step=True, on_epoch=False)
+        note = schedule.dense_cost_note(float(overall.reshape(-1)[0]))  # once: a sparse run at a dense run's cost
+        if note is not None:
+            rank_zero_info(note)

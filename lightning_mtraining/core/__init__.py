@@ -4,7 +4,8 @@
   unshard, global positions, packed-document starts, and the input checks of attention calls.
 - :mod:`.topology`: the flat or hierarchical ring topology of a rank and its process groups.
 - :mod:`.collectives`: collectives across torch versions and backends, and failures that name the operation.
-- :mod:`.numerics`: the softmax scale and the accumulation dtype; :mod:`.checks`: argument checks used everywhere.
+- :mod:`.numerics`: the softmax scale and the accumulation dtype; :mod:`.checks`: argument checks used everywhere;
+  :mod:`.errors`: failures every rank finds alike, reported once (Note [Failures that speak once]).
 - :mod:`.profiling`: profiler ranges (a flag check when no profiler runs); :mod:`.rng`: random generator states
   kept around code that re-seeds them.
 """

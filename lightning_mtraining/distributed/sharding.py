@@ -18,7 +18,23 @@ number of target tokens of the *whole* sequence (``num_items_in_batch``), never 
 Padding: the sequence is padded on the right to a multiple of ``layout_unit(layout, cp_size, block_size)``.
 Right padding is exact under causal attention (a real token never attends to a later one) so padded tokens
 never change a real token's output, and their targets are -100 so they never enter the loss. Left padding or
-holes in ``attention_mask`` cannot be expressed without a mask in the ring, and are rejected.
+holes in ``attention_mask`` cannot be expressed without a mask in the ring, and are rejected; so are labels at the
+user's padded positions (Note [Labels at padding]).
+
+Note [Labels at padding]
+------------------------
+With right padding and ``labels = input_ids`` (labels not set to -100 where ``attention_mask`` is 0), Hugging Face
+counts every padded position's label in its loss: the last real token predicts a pad token, and each padded
+position predicts the next pad token from a hidden state that attends to the real tokens only (Hugging Face masks
+padded keys, also for padded queries). Ring attention has no key mask: right padding is harmless to real tokens by
+causality alone, so a padded query attends to the padded keys before it, and its output is not Hugging Face's.
+Reproducing those targets exactly would take a per-row key bound in every ring step, block op and kernel (dense and
+sparse, CPU and CUDA) for positions that carry no information: their targets are pad tokens, which training is not
+meant to learn (``DataCollatorForLanguageModeling`` sets them to -100). Dropping them silently made the loss differ
+from one device's (5.551573 against 5.551208 on a tiny Llama). So labels other than -100 at a padded position are
+refused, every rank of the CP group alike, with the fix; the check is one reduction over the mask and, when it has
+zeros, one over the labels. One device with dense attention keeps the model's own attention and computes Hugging
+Face's loss as it is.
 
 A shard knows where it came from: every tensor of a sharded batch carries a weak reference to its
 :class:`ShardedBatch` (:func:`shard_of`), and so do the logits the model hook returns. That is how
@@ -39,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mtraining.core.errors import same_on_ranks_of
 from lightning_mtraining.core.layouts import (
     document_starts,
     global_positions,
@@ -51,9 +68,11 @@ __all__ = [
     "IGNORE_INDEX",
     "ShardedBatch",
     "all_gather_sequence",
+    "check_padded_labels",
     "check_right_padding",
     "gather_sequence",
     "pad_sequence_dim",
+    "padded_labels_error",
     "shard_batch",
     "shard_of",
     "shift_labels",
@@ -148,6 +167,29 @@ def check_right_padding(attention_mask: torch.Tensor) -> None:
             "context-parallel training supports right padding only (tokenizer.padding_side = 'right'), "
             "because causal attention then never lets a real token see padding"
         )
+
+
+def padded_labels_error(rows: list[int], count: int, what: str = "labels") -> ValueError:
+    """The error for ``count`` labels other than -100 at padded positions (of ``rows`` if known) (Note [Labels at
+    padding])."""
+    where = f" in rows {rows[:8]}" if rows else ""
+    return ValueError(
+        f"{what} has {count} targets at padded positions (attention_mask 0){where}: Hugging Face counts "
+        "them in its loss, and ring attention cannot reproduce a padded position's output (it has no padding mask), "
+        "so they would be dropped and the loss would differ from one device's. Set the labels to -100 where "
+        "attention_mask is 0, e.g. labels = input_ids.masked_fill(attention_mask == 0, -100) "
+        "(DataCollatorForLanguageModeling does this); padding then has no target anywhere"
+    )
+
+
+def check_padded_labels(labels: torch.Tensor, padding: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                        what: str = "labels") -> None:
+    """Raise :func:`padded_labels_error` if ``labels`` (``[B or 1, S]``) is not ``ignore_index`` wherever
+    ``padding`` (``[B, S]`` bool, the user's padded positions) is True. See Note [Labels at padding]."""
+    bad = (labels != ignore_index) & padding
+    count = int(bad.sum())
+    if count:
+        raise padded_labels_error(bad.any(dim=1).nonzero().flatten().tolist(), count, what)
 
 
 def pad_sequence_dim(x: torch.Tensor, padded_len: int, value: float | int = 0, dim: int = 1) -> torch.Tensor:
@@ -245,6 +287,9 @@ def shard_batch(
             )
         check_right_padding(mask)
         valid[:, :S] &= mask.bool()
+        labels = batch.get("labels")
+        if _is_sequence_tensor(labels, B, S) and not labels.is_floating_point() and not bool(valid[:, :S].all()):
+            check_padded_labels(labels, ~valid[:, :S], ignore_index, "batch['labels']")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, 1, cp_rank, cp_size, layout, block_size)
@@ -353,13 +398,22 @@ def shift_labels_sharded(
     layout: str = "striped",
     block_size: int = 128,
     ignore_index: int = IGNORE_INDEX,
+    lengths: list[int] | None = None,
+    seq_len: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Globally shifted targets of a label *shard* and the global target count (two all-gathers).
 
     For labels built inside ``training_step`` (not a tensor of the sharded batch): gathers the CP group's
     shards, shifts the full row, and returns this rank's shard of it. Every rank of the group must call it.
+    With ``lengths`` (each row's real length) and ``seq_len`` (the batch's unpadded length), labels other than
+    ``ignore_index`` at the user's padded positions raise on every rank alike (Note [Labels at padding]).
     """
     full = all_gather_sequence(labels, 1, group=group, cp_size=cp_size, layout=layout, block_size=block_size)
+    if lengths is not None and seq_len is not None and min(lengths, default=seq_len) < seq_len:
+        positions = torch.arange(full.shape[1], device=full.device)
+        row_lengths = torch.tensor(lengths, device=full.device)[:, None]
+        with same_on_ranks_of(group):  # every rank checks the same gathered labels
+            check_padded_labels(full, (positions >= row_lengths) & (positions < seq_len), ignore_index)
     full_valid = all_gather_sequence(valid, 1, group=group, cp_size=cp_size, layout=layout, block_size=block_size)
     shifted = shift_labels(full, full_valid, ignore_index)
     count = int((shifted != ignore_index).sum())

@@ -50,11 +50,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks
 from lightning_mtraining.core.layouts import document_starts
 from lightning_mtraining.distributed.sharding import (
     IGNORE_INDEX,
     ShardedBatch,
     shard_of,
+    padded_labels_error,
     shift_labels,
     shift_labels_sharded,
 )
@@ -165,6 +167,12 @@ def _aligned_targets(
     if found is None and logits is not None:
         found = shard_of(logits)
     if found is None:  # a whole sequence: one device, plain DDP or context_parallel_size=1
+        if isinstance(labels, Mapping) and not isinstance(labels.get("labels"), torch.Tensor):
+            mask = labels.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.shape == tensor.shape:
+                # the batch's input_ids as targets: padding has none, as under context parallelism (the sharded
+                # batch's input_ids targets); the batch's own labels are the user's statement and stay as they are
+                tensor = tensor.masked_fill(mask == 0, ignore_index)
         targets = tensor if shifted else shift_labels(tensor, None, ignore_index)
         if not shifted and isinstance(labels, Mapping):  # packed documents: no target crosses a boundary
             targets = _within_documents(targets, labels.get("position_ids"), ignore_index)
@@ -182,13 +190,19 @@ def _aligned_targets(
         targets, count = shift_labels_sharded(
             tensor, sharded.target_valid, group=sharded.group, cp_rank=sharded.cp_rank, cp_size=sharded.cp_size,
             layout=sharded.layout, block_size=sharded.block_size, ignore_index=ignore_index,
+            lengths=sharded.lengths, seq_len=sharded.seq_len,
         )
         return targets, count, sharded
     targets = tensor.masked_fill(~sharded.valid, ignore_index)  # padding has no target
-    count = (targets != ignore_index).sum()
+    # targets at the user's padded positions: refused on every rank alike (Note [Labels at padding])
+    user_padding = ~sharded.valid & (sharded.position_ids < sharded.seq_len)
+    counts = torch.stack([(targets != ignore_index).sum(), ((tensor != ignore_index) & user_padding).sum()])
     if sharded.cp_size > 1:
-        dist.all_reduce(count, group=sharded.group)
-    return targets, count, sharded
+        dist.all_reduce(counts, group=sharded.group)
+    if int(counts[1]):  # the group's sum: every rank raises alike
+        raise mark_same_on_ranks(padded_labels_error([], int(counts[1]), "the shifted labels"),
+                                 *group_ranks(sharded.group), "every rank of the context-parallel group")
+    return targets, counts[0], sharded
 
 
 def causal_lm_targets(
@@ -197,8 +211,10 @@ def causal_lm_targets(
     """Next-token targets lined up with the logits: ``targets[:, t]`` is the token after position ``t``.
 
     Args:
-        labels: the batch the step received (its ``labels``, else its ``input_ids``), or a ``[B, L]`` tensor of
-            it or built from it, aligned with ``input_ids`` as Hugging Face expects.
+        labels: the batch the step received (its ``labels``, else its ``input_ids``, whose padded positions,
+            ``attention_mask`` 0, then have no target), or a ``[B, L]`` tensor of it or built from it, aligned with
+            ``input_ids`` as Hugging Face expects. Under context parallelism, labels other than -100 at padded
+            positions are an error (Note [Labels at padding] in :mod:`lightning_mtraining.distributed.sharding`).
         logits: the model's logits, needed only when ``labels`` is a tensor built in the step under context
             parallelism (the logits carry the shard's record then).
         shifted: ``labels`` are already next-token targets (``labels[:, t]`` = token ``t + 1``); only the

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mtraining.core.checks import is_int
+from lightning_mtraining.core.errors import same_on_ranks_of
 from lightning_mtraining.distributed.plan import ContextParallelPlan
 from lightning_mtraining.distributed.sharding import IGNORE_INDEX, shift_labels_sharded, tag_shard
 from lightning_mtraining.hf.attention import (
@@ -48,7 +49,18 @@ from lightning_mtraining.hf.attention import (
 from lightning_mtraining.hf.losses import exact_group_loss
 
 __all__ = ["NonFiniteWatch", "PreparedModel", "SUPPORTED_LAYER_TYPES", "attention_modules", "decoder_layers",
-           "find_hf_models", "prepare_model", "validate_model"]
+           "find_hf_models", "packed_documents_cache_error", "prepare_model", "validate_model"]
+
+
+def packed_documents_cache_error(name: str) -> ValueError:
+    """The error for packed documents with ``use_cache=True``, the same on one device and under context parallelism:
+    transformers' own attention ignores the document boundaries when a cache is made, and a training forward has
+    no use for one."""
+    return ValueError(
+        f"{name} received packed documents (position_ids that restart) with use_cache=True: transformers' attention "
+        "ignores the document boundaries when it makes a cache, and training needs none. Pass use_cache=False (or "
+        "nothing) when training on packed sequences"
+    )
 
 
 class NonFiniteWatch:
@@ -234,7 +246,9 @@ class PreparedModel:
                 delattr(m, CONFIG_ATTR)
         self.model.set_attn_implementation(self._previous_attn)
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _check_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> dict:
+        """The forward's keyword arguments (positional ones named), checked against the current shard; starts the
+        forward's pattern cache. Raises on inputs ring attention cannot take."""
         name = type(module).__name__
         if args:  # positional call, e.g. model(input_ids): name the arguments so they can be inspected
             if len(args) > len(self._forward_params):
@@ -271,6 +285,25 @@ class PreparedModel:
             # A 2D padding mask was checked (right padding only) when the batch was sharded; causality makes
             # it a no-op for every real token, and padded targets are -100.
             kwargs["attention_mask"] = None
+        if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+            raise ValueError(
+                f"{name} was asked for output_attentions: ring attention never materialises the attention weights "
+                "(at long context they would not fit); compute them on one device with attn_implementation='eager'"
+            )
+        if kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False
+        elif kwargs["use_cache"] and cur.doc_start is not None:  # as on one device (PackedDocuments)
+            raise packed_documents_cache_error(name)
+        return kwargs
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        name = type(module).__name__
+        plan, cur = self.plan, self.plan.current
+        # The input checks see what every rank of the CP group holds alike: they fail on all of them, reported once
+        # (Note [Failures that speak once] in lightning_mtraining.core.errors). Not the position_ids check below:
+        # a rank's global positions may equal the positions passed by chance (contiguous layout, rank 0).
+        with same_on_ranks_of(plan.group):
+            kwargs = self._check_inputs(module, args, kwargs)
         given = kwargs.get("position_ids")
         # packed documents: the batch's own position_ids (per document, for RoPE); else the global positions
         expected = cur.doc_position_ids if cur.doc_start is not None else cur.position_ids
@@ -283,13 +316,6 @@ class PreparedModel:
                 "strategy shards it. Put position_ids in the batch (packed documents restart them at 0) and pass "
                 "the sharded batch's position_ids, or none"
             )
-        if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-            raise ValueError(
-                f"{name} was asked for output_attentions: ring attention never materialises the attention weights "
-                "(at long context they would not fit); compute them on one device with attn_implementation='eager'"
-            )
-        if kwargs.get("use_cache") is None:
-            kwargs["use_cache"] = False
         labels = kwargs.get("labels")
         self._scale_loss = labels is not None
         if labels is None:
@@ -300,7 +326,7 @@ class PreparedModel:
             if found is None:  # labels built in training_step: shift them over the CP group
                 found = shift_labels_sharded(
                     labels, cur.target_valid, group=plan.group, cp_rank=plan.cp_rank, cp_size=plan.cp_size,
-                    layout=plan.layout, block_size=plan.block_size,
+                    layout=plan.layout, block_size=plan.block_size, lengths=cur.lengths, seq_len=cur.seq_len,
                 )
             kwargs["shift_labels"], count = found
         num_items = kwargs.get("num_items_in_batch")

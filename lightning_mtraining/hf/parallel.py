@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mtraining.core.errors import same_on_ranks_of
 from lightning_mtraining.core.layouts import document_starts
 from lightning_mtraining.distributed.mesh import fsdp_mesh
 from lightning_mtraining.distributed.plan import ContextParallelPlan
@@ -52,6 +53,7 @@ from lightning_mtraining.hf.model import (
     PreparedModel,
     attention_modules,
     find_hf_models,
+    packed_documents_cache_error,
     prepare_model,
     validate_model,
 )
@@ -72,7 +74,7 @@ def check_sparsity_args(owner: str, configs: Iterable[Any], layout: str, block_s
         try:
             sparse_padding_multiple(layout, 1, block_size, config.tile_size)
         except ValueError as e:
-            raise ValueError(f"{owner}: {e}") from None
+            raise ValueError(f"{owner}: {e}; or sparsity=None for exact dense attention") from None
 
 
 def restore_batch_type(original: Any, sharded: dict[str, Any]) -> Any:
@@ -114,8 +116,9 @@ class ContextParallel:
                 "causal LMs (attn_implementation) to ring attention. For a custom model, call "
                 "lightning_mtraining.ring_attention in its attention and use the sharded batch's position_ids"
             )
-        for model in models:
-            validate_model(model)
+        with same_on_ranks_of(None, "every rank"):  # the models are the same on every rank
+            for model in models:
+                validate_model(model)
         self.plan = plan
         self.models = models
         self.prepared: list[PreparedModel] = []
@@ -153,10 +156,11 @@ class ContextParallel:
         plan = self.plan
         if plan.cp_size == 1 and not self.prepared:
             return batch
-        sharded = shard_batch(
-            batch, cp_rank=plan.cp_rank, cp_size=plan.cp_size, layout=plan.layout, block_size=plan.block_size,
-            group=plan.group, multiple_of=self.pad_multiple,
-        )
+        with same_on_ranks_of(plan.group):  # the CP group shares the batch: its checks fail alike on every rank
+            sharded = shard_batch(
+                batch, cp_rank=plan.cp_rank, cp_size=plan.cp_size, layout=plan.layout, block_size=plan.block_size,
+                group=plan.group, multiple_of=self.pad_multiple,
+            )
         plan.current = sharded
         return restore_batch_type(batch, sharded.batch)
 
@@ -230,10 +234,7 @@ class PackedDocuments:
                 )
             kwargs["attention_mask"] = None
         if kwargs.get("use_cache"):
-            raise ValueError(
-                f"{name} received packed documents with use_cache=True: transformers then ignores the document "
-                "boundaries. Pass use_cache=False (or nothing) when training on packed sequences"
-            )
+            raise packed_documents_cache_error(name)
         kwargs["use_cache"] = False
         labels = kwargs.get("labels")
         if isinstance(labels, torch.Tensor) and labels.shape[-1] == doc.shape[-1]:

@@ -19,7 +19,6 @@ ring saves its per-step lists for it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Callable
 
 import torch
@@ -28,9 +27,11 @@ from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, allowed_share
 
-__all__ = ["AttentionSchedule", "LayerStats"]
+__all__ = ["AttentionSchedule", "DENSE_LIKE_DENSITY", "LayerStats"]
 
-_log = logging.getLogger(__name__)
+# A sparse forward whose patterns keep at least this share of the causal pairs computes about what a dense one does,
+# plus the pattern estimation: the run is told once (AttentionSchedule.dense_cost_note).
+DENSE_LIKE_DENSITY = 0.9
 
 
 @dataclasses.dataclass
@@ -82,12 +83,13 @@ class AttentionSchedule:
         self.step = 0
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
         self._patterns: dict[int, VerticalSlashPattern] = {}
-        self._told_fallback = False
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
         self._last: dict[str, float] = {}
         self.measured_at: int | None = None  # the step of the last measured forward
+        self._measured_len = 0  # the longest real sequence of the last measured forward
+        self._noted = False
 
     # --- the schedule ------------------------------------------------------------------------------------------
 
@@ -149,14 +151,9 @@ class AttentionSchedule:
         the ring ran dense instead (:func:`~lightning_mtraining.sparsity.pattern.runs_dense` with ``dense_above``) counts
         as every causal pair."""
         p = pattern.to("cpu")
+        self._measured_len = max(self._measured_len if self._stats else 0, *lengths, 0)
         allowed, causal = allowed_share(p, lengths)
         if dense_above is not None and allowed > dense_above * causal:  # as runs_dense decides in the ring
-            if not self._told_fallback:
-                self._told_fallback = True
-                _log.info(
-                    "layer %s: the estimated pattern allows %.1f%% of the causal pairs, above SparsityConfig."
-                    "dense_above=%s, so the layer runs dense attention (cheaper there); attention/dense_fallback counts "
-                    "such layers. Said once.", layer_idx, 100.0 * allowed / max(1, causal), dense_above)
             self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, dense_fallback=True)
             return
         if cp_size > 1:
@@ -191,6 +188,48 @@ class AttentionSchedule:
                 out[f"attention/recall/layer_{layer}"] = s.recall
         self._last = out
         return out
+
+    def dense_cost_note(self, density: float | None = None) -> str | None:
+        """A message, at most once per schedule, when the last measured forward's sparse layers kept at least
+        :data:`DENSE_LIKE_DENSITY` of the causal pairs (``density``: the world's share if known, else this rank's):
+        such a step costs what a dense one costs plus the estimation (layers whose pattern keeps more than
+        ``dense_above`` run dense: they count as computing every pair). It says what was kept at which length, why,
+        and what to do instead. None otherwise, and once said."""
+        stats = self._stats
+        if self._noted or not stats:
+            return None
+        if density is None:
+            density = sum(s.computed for s in stats.values()) / max(1, sum(s.causal for s in stats.values()))
+        if density < DENSE_LIKE_DENSITY:
+            return None
+        kept = sum(s.allowed for s in stats.values()) / max(1, sum(s.causal for s in stats.values()))
+        fell_back = sum(s.dense_fallback for s in stats.values())
+        self._noted = True
+        config = next((c for c in map(self.layer_sparsity, sorted(stats)) if c is not None), None)
+        if config is None:
+            return None
+        if config.top_p is not None:
+            budget = (f"top_p={config.top_p}, at most {config.max_vertical} verticals and {config.max_slash} slashes "
+                      f"per head, {config.tile_size}-token tiles")
+            why = (f"keeping {config.top_p:.0%} of this model's attention mass takes nearly every tile at this length "
+                   "(attention spread out, as at random initialisation or on short sequences)")
+        else:
+            budget = (f"{config.vertical_topk} verticals and {config.slash_topk} slashes per head, "
+                      f"{config.tile_size}-token tiles")
+            why = "at this length these budgets reach nearly every tile (slashes run whole tiles)"
+        fallback = (f" ({fell_back} of {len(stats)} layers kept more than SparsityConfig.dense_above and ran dense "
+                    "attention instead: attention/dense_fallback)") if fell_back else ""
+        return (
+            f"MTraining sparse attention kept {kept:.0%} of the causal pairs at {self._measured_len:,} tokens "
+            f"({budget}){fallback}: {why}, so each step costs what dense attention costs plus the pattern's "
+            "estimation. Sparse "
+            "attention pays when the patterns keep a small share of the pairs (attention/density): on long sequences "
+            "(the paper trains at 32K-512K tokens) of a model whose attention is concentrated. At this length: "
+            "strategy='mtraining_dense' (sparsity=None) is exact and skips the estimation; or a fixed budget "
+            "SparsityConfig(vertical_topk=V, slash_topk=S, tile_size=T) computes at most V + 2*S*T keys per query "
+            "besides the sinks and the local window, whatever the attention (examples/train.py: V=64, S=16, T=32 "
+            "train 8K tokens at about 9% density)."
+        )
 
     def layer_stats(self) -> dict[int, LayerStats]:
         """The last measured forward's statistics per layer (empty before the first measurement)."""

@@ -6,6 +6,10 @@
 - :mod:`.trainer`: :class:`MTrainingStrategy` (DDP; ``"mtraining"``, ``"mtraining_dense"``); :mod:`.fsdp`:
   :class:`MTrainingFSDPStrategy` (FSDP2, tensor parallel; ``"mtraining_fsdp"``, ``"mtraining_fsdp_dense"``);
   :mod:`.fabric`: :class:`MTrainingFabricStrategy` (``Fabric(strategy="mtraining")``).
+- :mod:`.launchers`: Lightning's process launchers with the checks run before launch and no local rank left running
+  after a failure.
+- :mod:`.cluster`: from "N machines of G GPUs" to a job: the world each launcher (Lightning Studio, torchrun, SLURM)
+  gives the strategy, the node-layout check, a plan as a LightningCLI config, launch commands, Studio jobs.
 """
 
 from lightning_mtraining.strategies.fabric import MTrainingFabricStrategy

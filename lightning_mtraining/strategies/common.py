@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks, same_on_ranks
 from lightning_mtraining.distributed.mesh import (
     build_context_parallel,
     describe_mesh,
@@ -31,8 +32,9 @@ from lightning_mtraining.hf.compile import compile_decoder_layers
 from lightning_mtraining.hf.losses import is_marked_loss, unmarked_loss_message
 from lightning_mtraining.hf.model import PreparedModel, find_hf_models, validate_model
 from lightning_mtraining.hf.parallel import ContextParallel, check_sparsity_args
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
-from lightning_mtraining.strategies.launch import check_node_layout
+from lightning_mtraining.strategies.cluster import check_node_layout
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
 __all__ = ["ContextParallelMixin", "option_view"]
@@ -79,8 +81,11 @@ class ContextParallelMixin:
     """
 
     def _init_context_parallel(self, options: ContextParallelOptions) -> None:
-        check_sparsity_args(f"{type(self).__name__}(sparsity=...)", [options.sparsity], options.layout,
-                            options.block_size)
+        name = type(self).__name__
+        # the default is sparse: say so when it is the default that cannot tile the layout
+        owner = f"{name}(sparsity=PAPER_SPARSITY, the default)" if options.sparsity == PAPER_SPARSITY else (
+            f"{name}(sparsity=...)")
+        check_sparsity_args(owner, [options.sparsity], options.layout, options.block_size)
         self.options = options
         self._cp: ContextParallel | None = None
         self._models_ready = False
@@ -179,7 +184,7 @@ class ContextParallelMixin:
 
     def _check_node_layout(self) -> None:
         """This rank's node, as the cluster environment reports it, must be the one its CP group and inner ring are
-        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.launch`)."""
+        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.cluster`)."""
         environment = getattr(self, "cluster_environment", None)
         if environment is None or self.world_size == 1:
             return
@@ -201,8 +206,15 @@ class ContextParallelMixin:
         configs = [self.sparsity, *(attention.configs() if attention is not None else [])]
         return [c for c in configs if c is not None]
 
+    def same_everywhere(self) -> Any:
+        """A context in which a failing check is one every rank finds alike (the models, the options): reported
+        once, by global rank 0 (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Usable
+        before the process group exists (the ranks come from the cluster environment)."""
+        return same_on_ranks(self.global_rank, 0, max(self.world_size, 1), "every rank")
+
     def validate_models(self, module: torch.nn.Module) -> None:
-        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce."""
+        """Raise if a Hugging Face model inside ``module`` has a feature ring attention cannot reproduce. Run it
+        inside :meth:`same_everywhere` where every rank runs it (the error is then reported once)."""
         for model in find_hf_models(module):
             validate_model(model)
 
@@ -299,8 +311,9 @@ class ContextParallelMixin:
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or is_marked_loss(loss):
             return
         message = unmarked_loss_message(type(self).__name__, self.plan.cp_size, self.plan.layout)
-        if self.loss_check == "raise":
-            raise RuntimeError(message)
+        if self.loss_check == "raise":  # the CP group's ranks ran the same step on the same batch: reported once
+            raise mark_same_on_ranks(RuntimeError(message), *group_ranks(self.plan.group),
+                                     "every rank of the context-parallel group")
         if not self._warned_loss:
             self._warned_loss = True
             rank_zero_warn(message)

@@ -29,14 +29,16 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
 from lightning_mtraining.hf.parallel import check_sparsity_args
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin
+from lightning_mtraining.strategies.launchers import FabricSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import FSDP_ONLY, TRAINER_ONLY, ContextParallelOptions, document_options
 from lightning_mtraining.strategies.trainer import register_names
 
@@ -67,8 +69,9 @@ class _ShardingDataLoader:
 class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for Lightning Fabric.
 
-    ``Fabric(strategy="mtraining")`` uses the paper's setting (top-p 0.9, caps 4096), ``"mtraining_dense"`` dense;
-    the numbers: :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
+    ``MTrainingFabricStrategy()`` and ``Fabric(strategy="mtraining")`` use the paper's setting (:data:`PAPER_SPARSITY`:
+    top-p 0.9, caps 4096); ``sparsity=None`` and ``"mtraining_dense"`` are exact dense attention; the numbers:
+    :meth:`attention_metrics`. ``loss_check`` and ``nonfinite_check`` act in ``fabric.backward``.
 
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
@@ -89,7 +92,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         attention: SparseAttentionCallback | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -128,6 +131,9 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         # Called by Fabric's connector once devices and nodes are known: bad sizes fail at Fabric(...).
         self._check_sizes_before_launch()
         super()._configure_launcher()
+        if self._start_method == "popen":  # no local rank outlives a failure (Note [No rank outlives a failure])
+            self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                            self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:
@@ -153,6 +159,9 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if self.attention_schedule is not None:  # Fabric has no global step: count optimizer steps for the warm-up
             self.attention_schedule.set_step(self.attention_schedule.step + 1)
+            note = self.attention_schedule.dense_cost_note()  # once: a sparse run at a dense run's cost
+            if note is not None:
+                rank_zero_info(note)
         return output
 
     @override

@@ -34,6 +34,7 @@ from lightning_mtraining.hf.parallel import apply_fsdp
 from lightning_mtraining.hf.tensor_parallel import apply_tensor_parallel, clip_grad_norm_, local_sparsity
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
+from lightning_mtraining.strategies.launchers import CheckedSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import ContextParallelOptions, document_options
 from lightning_mtraining.strategies.trainer import TrainerStepHooks
 
@@ -56,6 +57,9 @@ def _has_dtensors(module: torch.nn.Module) -> bool:
 class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParallelStrategy):
     """Data parallel x context parallel with FSDP2 parameter sharding (see the module docstring).
 
+    ``MTrainingFSDPStrategy()`` and ``strategy="mtraining_fsdp"`` train sparse in the paper's setting
+    (:data:`PAPER_SPARSITY`); ``sparsity=None`` and ``"mtraining_fsdp_dense"`` are exact dense ring attention.
+
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
         reshard_after_forward: FSDP2's option for the decoder layers (``True``: parameters are gathered again in
@@ -71,7 +75,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
         fused_loss: bool | str = True,
@@ -159,8 +163,13 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
 
     @override
     def _configure_launcher(self) -> None:
+        # ModelParallelStrategy's, with the checks before launch and no local rank outliving a failure
+        # (Note [No rank outlives a failure] in lightning_mtraining.strategies.launchers)
         self._check_sizes_before_launch()
-        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = CheckedSubprocessScriptLauncher(self, self.cluster_environment, self.num_processes,
+                                                             self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.core.layouts import LAYOUTS
 from lightning_mtraining.hf.losses import FUSED_LOSS_BACKENDS
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 
 __all__ = ["ContextParallelOptions", "FIELD_DOCS", "FSDP_ONLY", "LOSS_CHECKS", "OPTIONS_MARKER", "TRAINER_ONLY",
            "document_options", "options_doc"]
@@ -55,9 +55,12 @@ FIELD_DOCS: dict[str, str] = {
     "block_size": "block of the striped layout (sequences are padded to ``cp_size x block_size``).",
     "sparsity": (
         "vertical-slash budgets for sparse ring attention (the pattern is estimated online for every layer and "
-        "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) attention. "
-        "``strategy=\"mtraining\"`` uses :data:`~lightning_mtraining.sparsity.config.PAPER_SPARSITY` (top-p 0.9, caps 4096), "
-        "``\"mtraining_dense\"`` ``None``. Per-layer overrides and the logged density and imbalance: "
+        "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) "
+        "attention. The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
+        "PAPER_SPARSITY` (top-p 0.9, caps 4096), which is what ``strategy=\"mtraining\"`` means; "
+        "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of the short sequences one "
+        "tries first (1-8K tokens) when the model's attention is spread out (random initialisation): such a run logs "
+        "once that it trains at dense cost, and what to do. Per-layer overrides and the logged density and imbalance: "
         ":class:`~lightning_mtraining.callbacks.sparse_attention.SparseAttentionCallback`."),
     "loss_check": (
         "what to do when the loss reaching backward did not come through a sharding-aware path "
@@ -119,7 +122,7 @@ class ContextParallelOptions:
     inner_ring_size: int | None = None
     layout: Literal["striped", "zigzag", "contiguous"] = "striped"
     block_size: int = 128
-    sparsity: SparsityConfig | None = None
+    sparsity: SparsityConfig | None = PAPER_SPARSITY
     loss_check: Literal["raise", "warn", "off"] = "raise"
     fused_loss: bool | str = True
     activation_checkpointing: bool = False

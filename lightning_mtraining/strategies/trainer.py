@@ -42,55 +42,62 @@ exact gradient; see Note [Exact losses and gradients] in :mod:`lightning_mtraini
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_mtraining.core.errors import same_on_ranks
 from lightning_mtraining.core.rng import preserved_rng_states
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
+from lightning_mtraining.strategies.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
 from lightning_mtraining.strategies.options import FSDP_ONLY, ContextParallelOptions, document_options
 
 __all__ = ["MTrainingStrategy", "TrainerStepHooks", "register_names"]
-
-
-class _ChecksBeforeLaunch:
-    """Mixed into Lightning's launchers: the strategy's checks run in the launching process, before other
-    processes start, so a bad configuration gives one short error instead of one traceback per rank."""
-
-    _mtraining_strategy: MTrainingStrategy
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._mtraining_strategy.check_before_launch(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-
-class _CheckedSubprocessScriptLauncher(_ChecksBeforeLaunch, _SubprocessScriptLauncher):
-    def __init__(self, strategy: MTrainingStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._mtraining_strategy = strategy
-
-
-class _CheckedMultiProcessingLauncher(_ChecksBeforeLaunch, _MultiProcessingLauncher):
-    def __init__(self, strategy: MTrainingStrategy, *args: Any, **kwargs: Any) -> None:
-        super().__init__(strategy, *args, **kwargs)
-        self._mtraining_strategy = strategy
 
 
 class TrainerStepHooks:
     """The Trainer hooks both Trainer strategies (:class:`MTrainingStrategy`, DDP, and
     :class:`~lightning_mtraining.strategies.fsdp.MTrainingFSDPStrategy`, FSDP2) add to their Lightning base: shard
     each batch, check the loss before backward, offload saved activations, give step outputs back whole, restore the
-    models at teardown. Placed before the Lightning strategy in the bases; needs :class:`ContextParallelMixin` and
-    ``options.gather_outputs`` and ``options.offload_activations``."""
+    models at teardown; the checks before launch (:meth:`check_before_launch`, called by the launchers of
+    :mod:`lightning_mtraining.strategies.launchers`). Placed before the Lightning strategy in the bases; needs
+    :class:`ContextParallelMixin` and ``options.gather_outputs`` and ``options.offload_activations``."""
+
+    def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
+        """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
+
+        Runs in the launching process before other processes start (``alone``: no other rank exists yet; the
+        launcher knows), or on every rank when they were started by others (torchrun, SLURM): a failure is then
+        reported once (Note [Failures that speak once] in :mod:`lightning_mtraining.core.errors`). Models built in
+        ``configure_model`` are checked when it returns (``model_sharded_context``), and every model again in
+        ``setup``.
+        """
+        with same_on_ranks(0, 0, 1, "this process") if alone else self.same_everywhere():
+            check_sparsity_args(
+                f"{type(self).__name__} with SparseAttentionCallback",
+                self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
+            )
+            if self.lightning_module is not None:
+                self.validate_models(self.lightning_module)
+
+    @staticmethod
+    def _attention_callback(trainer: Any) -> Any:
+        from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
+
+        callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, SparseAttentionCallback)]
+        if len(callbacks) > 1:
+            raise ValueError(f"found {len(callbacks)} SparseAttentionCallback instances; pass at most one")
+        return callbacks[0] if callbacks else None
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -126,6 +133,17 @@ class TrainerStepHooks:
         return self.gather_outputs(output) if self.options.gather_outputs else output
 
     @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with super().model_sharded_context():
+            yield
+        # configure_model has just built the models: check them now, before anything else runs (a checkpoint's
+        # restore, DDP's broadcast), so that every rank fails at once and the failure is reported once
+        if self.lightning_module is not None:
+            with self.same_everywhere():
+                self.validate_models(self.lightning_module)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._mark_interrupted()
         super().on_exception(exception)
@@ -140,8 +158,9 @@ class TrainerStepHooks:
 class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     """Data parallel x context parallel (ring attention) strategy for the Lightning ``Trainer``.
 
-    ``strategy="mtraining"`` is this class with :data:`PAPER_SPARSITY` (top-p 0.9, caps 4096);
-    ``strategy="mtraining_dense"`` with ``sparsity=None``.
+    ``MTrainingStrategy()`` and ``strategy="mtraining"`` are the same thing: sparse ring attention in the paper's
+    training setting (:data:`PAPER_SPARSITY`: top-p 0.9, caps 4096). ``MTrainingStrategy(sparsity=None)`` and
+    ``strategy="mtraining_dense"`` are exact dense ring attention.
 
     Args:
         (the ContextParallelOptions fields, rendered here by document_options)
@@ -159,7 +178,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = None,
+        sparsity: SparsityConfig | None = PAPER_SPARSITY,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -199,24 +218,11 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         self._check_sizes_before_launch()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessScriptLauncher(
+            self._launcher = CheckedSubprocessScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
-
-    def check_before_launch(self, trainer: Any) -> None:
-        """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
-
-        Runs in the launching process before other processes start (again on every rank in ``setup``, which
-        also covers models built in ``configure_model``).
-        """
-        check_sparsity_args(
-            f"{type(self).__name__} with SparseAttentionCallback",
-            self._layer_sparsity_configs(self._attention_callback(trainer)), self.layout, self.block_size,
-        )
-        if self.lightning_module is not None:
-            self.validate_models(self.lightning_module)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_distributed(self) -> None:
@@ -228,15 +234,6 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         else:
             super().setup_distributed()
         self._build_context_parallel()
-
-    @staticmethod
-    def _attention_callback(trainer: Any) -> Any:
-        from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
-
-        callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, SparseAttentionCallback)]
-        if len(callbacks) > 1:
-            raise ValueError(f"found {len(callbacks)} SparseAttentionCallback instances; pass at most one")
-        return callbacks[0] if callbacks else None
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -277,7 +274,8 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
 
 
 def register_names(registry: Any, cls: type) -> None:
-    """``"mtraining"``: sparse ring attention in the paper's training setting; ``"mtraining_dense"``: exact dense."""
+    """``"mtraining"``: ``cls()``, sparse ring attention in the paper's training setting (the class's default,
+    named here too so that the registry says it); ``"mtraining_dense"``: ``cls(sparsity=None)``, exact dense."""
     registry.register(
         "mtraining", cls, description="Data parallel x context parallel, MTraining sparse ring attention (top-p 0.9)",
         sparsity=PAPER_SPARSITY,

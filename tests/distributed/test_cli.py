@@ -46,6 +46,20 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
     assert cli.trainer.strategy.sparsity == SparsityConfig(vertical_topk=256, slash_topk=16, local_window=32,
                                                            tile_size=32)
 
+    # `sparsity: null` is dense; a config without a sparsity block gets the class's default, the paper's setting
+    from lightning_mtraining.sparsity.config import PAPER_SPARSITY
+
+    cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,
+                       args=[*args, "--trainer.strategy.init_args.sparsity=null"])
+    assert cli.trainer.strategy.sparsity is None
+    plain = tmp_path / "no_sparsity.yaml"
+    plain.write_text("\n".join(line for line in CONFIG.read_text().splitlines()
+                               if not line.startswith("      sparsity:") and not line.startswith("        ")))
+    cli = LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,
+                       args=["--config", str(plain), f"--trainer.default_root_dir={tmp_path}",
+                             "--trainer.strategy.init_args.block_size=128"])
+    assert cli.trainer.strategy.sparsity == PAPER_SPARSITY
+
     with pytest.raises(SystemExit):  # jsonargparse rejects a layout outside the Literal
         LightningCLI(cli_mod.CausalLMModule, cli_mod.StdlibBytesDataModule, run=False,
                      args=[*args, "--trainer.strategy.init_args.layout=diagonal"])

@@ -22,7 +22,7 @@ def fabric_fit(world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
 
     quiet()
     attention = SparseAttentionCallback(dense_layers=[0])  # per-layer options reach Fabric through the strategy
-    strategy = MTrainingFabricStrategy(**scenario.get("strategy", {}), attention=attention)
+    strategy = MTrainingFabricStrategy(**{"sparsity": None, **scenario.get("strategy", {})}, attention=attention)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
     model = make_model(scenario["family"])

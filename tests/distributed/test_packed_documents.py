@@ -446,16 +446,30 @@ def _bad_position_ids_worker(rank: int, world_size: int):
     model = make_qwen()
     apply = apply_context_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)), block_size=16)
     batch = apply.shard(packed_batch())
-    try:
-        model(**{**batch, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]})
-    except ValueError as e:
-        return str(e)
-    return None
+    messages = []
+    for bad in ({"position_ids": torch.arange(batch["input_ids"].shape[1])[None]}, {"use_cache": True}):
+        try:
+            model(**{**batch, **bad})
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_position_ids_other_than_the_batch_are_a_clear_error():
-    for msg in run_distributed(_bad_position_ids_worker, 2):
-        assert msg is not None and "neither the tokens' global positions nor the sharded batch's own" in msg
+def test_position_ids_other_than_the_batch_and_a_cache_are_clear_errors():
+    """Under context parallelism, position_ids other than the batch's fail; so does use_cache=True with packed
+    documents, with the error one device gives (the ring honours the documents either way, but the same input must
+    not train on two ranks and fail on one)."""
+    from lightning_mtraining import apply_context_parallel
+
+    model = make_qwen()
+    apply_context_parallel(model, None)
+    with pytest.raises(ValueError) as one_device:
+        model(**packed_batch(), use_cache=True)
+    for position_msg, cache_msg in run_distributed(_bad_position_ids_worker, 2):
+        assert position_msg is not None and "neither the tokens' global positions nor the sharded batch's own" in \
+            position_msg
+        assert cache_msg == str(one_device.value) and "use_cache=True" in cache_msg
 
 
 def test_one_device_packed_inputs_that_transformers_would_ignore_are_clear_errors():

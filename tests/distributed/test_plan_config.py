@@ -175,7 +175,7 @@ def test_plan_turns_on_offload_only_where_memory_needs_it():
 
 def test_trainer_config_and_launch_commands():
     from lightning_mtraining import SparsityConfig
-    from lightning_mtraining.strategies.launch import cli_command, launch_commands, sparsity_init, trainer_config
+    from lightning_mtraining.strategies.cluster import cli_command, launch_commands, sparsity_init, trainer_config
 
     t = trainer_config(nodes=4, devices=8, context_parallel_size=32, max_steps=5)
     init = t["strategy"]["init_args"]
@@ -238,7 +238,7 @@ def fake_sdk(monkeypatch):
 
 
 def test_studio_job_request(fake_sdk):
-    from lightning_mtraining.strategies.launch import machine_gpus, studio_job_request, submit_studio_job
+    from lightning_mtraining.strategies.cluster import machine_gpus, studio_job_request, submit_studio_job
 
     assert [machine_gpus(m) for m in ("H100_X_8", "A100_X_4", "L4", "CPU", "CPU_X_16")] == [8, 4, 1, None, None]
     assert machine_gpus(types.SimpleNamespace(name="X", family="H100", accelerator_count=2)) == 2
@@ -262,7 +262,7 @@ def test_studio_job_request(fake_sdk):
 
 
 def test_studio_job_without_the_sdk(monkeypatch):
-    from lightning_mtraining.strategies.launch import submit_studio_job
+    from lightning_mtraining.strategies.cluster import submit_studio_job
 
     monkeypatch.setitem(sys.modules, "lightning_sdk", None)  # `import lightning_sdk` raises ImportError
     with pytest.raises(ImportError, match=r"needs the Lightning SDK, which is not installed: pip install "):
@@ -284,7 +284,7 @@ def test_plan_submits_a_studio_job(tmp_path, capsys, fake_sdk):
 
 def test_studio_job_request_binds_to_the_real_sdk():
     sdk = pytest.importorskip("lightning_sdk")
-    from lightning_mtraining.strategies.launch import studio_job_request
+    from lightning_mtraining.strategies.cluster import studio_job_request
 
     req = studio_job_request("python x.py", name="mt", machine="H100_X_8", num_machines=4, devices=8, studio="s",
                              teamspace="t", env={"A": "1"}, interruptible=True)

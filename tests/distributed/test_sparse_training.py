@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.training import (
@@ -173,3 +174,60 @@ def test_fabric_sparse_training_is_the_same_on_1_and_2_ranks_and_reports_the_num
         assert res["steps"] == 3 and res["estimations"] == 4
         assert res["metrics"][0] == {} and 0 < res["metrics"][-1]["attention/density"] < 1
         assert res["metrics"][-1]["attention/imbalance"] >= 1.0
+
+
+def _fit_one_device(strategy: Any, seq_len: int) -> None:
+    import lightning as L
+
+    module = lightning_module_class()("llama")
+    loader = torch.utils.data.DataLoader(make_samples(6, seq_len), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=1)
+    trainer.fit(module, loader)
+
+
+class _Collect(__import__("logging").Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.slow
+def test_a_sparse_run_at_a_dense_runs_cost_says_so_once():
+    """``strategy="mtraining"`` (the paper's top-p 0.9) on 256 tokens keeps every pair of this model (random
+    weights, 128-token tiles): the run logs once, on rank 0, the density, the length and what to do instead (measured
+    on each of its 3 steps, said once). A fixed budget that keeps a small share says nothing."""
+    import logging
+
+    from lightning_mtraining import MTrainingStrategy, SparsityConfig
+    from lightning_mtraining.sparsity.schedule import DENSE_LIKE_DENSITY
+
+    quiet()
+    from lightning_utilities.core import rank_zero
+
+    logger = rank_zero.log  # the logger rank_zero_info writes to (Lightning sets it on import)
+    collect, level = _Collect(), logger.level
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    try:
+        _fit_one_device("mtraining", 256)
+        notes = [m for m in collect.messages if "MTraining sparse attention kept" in m]
+        collect.messages.clear()
+        small = SparsityConfig(vertical_topk=2, slash_topk=2, last_q=16, sink_tokens=2, local_window=16,
+                               tile_size=16)
+        strategy = MTrainingStrategy(sparsity=small, block_size=16)
+        _fit_one_device(strategy, 256)
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(level)
+    assert len(notes) == 1, notes
+    note = notes[0]
+    assert "kept 100% of the causal pairs at 256 tokens (top_p=0.9, at most 4096 verticals" in note, note
+    assert "strategy='mtraining_dense' (sparsity=None)" in note and "SparsityConfig(vertical_topk=V" in note, note
+    density = strategy.attention_metrics()["attention/density"]
+    assert density < DENSE_LIKE_DENSITY, density  # the budget really is small at this length
+    assert not [m for m in collect.messages if "MTraining sparse attention kept" in m]

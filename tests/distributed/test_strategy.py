@@ -132,7 +132,7 @@ def test_bad_batch_and_model_errors():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(), max_steps=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="contains no transformers PreTrainedModel"):
         trainer.fit(NoHF(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
@@ -141,7 +141,7 @@ def test_bad_batch_and_model_errors():
     # batches without input_ids are tested in test_sharding.py, where the sequence is split).
     from lightning_mtraining.distributed.plan import ContextParallelPlan
 
-    strategy = MTrainingStrategy(block_size=4)
+    strategy = MTrainingStrategy(block_size=4, sparsity=None)
     strategy._plan = ContextParallelPlan(block_size=4)  # what setup_distributed builds at world size 1
     odd = {"tokens": torch.ones(2, 5, dtype=torch.long)}
     assert strategy.shard_batch(odd) is odd
@@ -186,6 +186,51 @@ def test_fsdp_strategy_matches_single_process(world_size, cp):
     assert StrategyRegistry["mtraining_fsdp_dense"]["init_params"] == {"sparsity": None}
 
 
+def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool) -> list[tuple[list[int], float]]:
+    """The (sample indices, loss) of each step of a Trainer on a shuffled loader with a seeded generator."""
+    import lightning as L
+
+    from lightning_mtraining.strategies.trainer import MTrainingStrategy
+
+    if world_size > 1:
+        elastic_env(rank, world_size, world_size)
+    quiet()
+    module = lightning_module_class()("qwen2")
+    loader = torch.utils.data.DataLoader(make_samples(8, 13), batch_size=2, shuffle=True,
+                                         generator=torch.Generator().manual_seed(7))
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4, sparsity=None),
+                        max_steps=4, use_distributed_sampler=use_distributed_sampler, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    return module.records
+
+
+def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[int], float]]]:
+    return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
+
+
+@pytest.mark.slow
+def test_a_shuffled_loader_gives_one_devices_losses_as_the_readme_says():
+    """The README's recipe for comparing with one device: data-parallel size 1, ``use_distributed_sampler=False``
+    and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device run's samples in its order
+    and see its losses (2e-5, see the module docstring). Lightning's default injects a DistributedSampler with its
+    own shuffle, so the default run reads another order: the recipe is needed, not decoration."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    promise = next(line for line in readme.splitlines() if "gives one device's losses and parameters" in line)
+    for recipe_part in ("data-parallel size 1", "use_distributed_sampler=False", "generator=torch.Generator()"):
+        assert recipe_part in promise, recipe_part  # the README's promise says how to see it: this recipe
+
+    one_device = _shuffled_fit(0, 1, True)
+    for rank, runs in enumerate(run_distributed(_shuffled_worker, 2, timeout=300)):
+        recipe, default = runs[False], runs[True]
+        assert [idx for idx, _ in recipe] == [idx for idx, _ in one_device], (rank, recipe, one_device)
+        for (_, got), (_, want) in zip(recipe, one_device):
+            assert abs(got - want) < 2e-5, (rank, got, want)
+        assert [idx for idx, _ in default] != [idx for idx, _ in one_device], rank
+
+
 def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     """Validation with sync_dist, checkpoint save/resume, bf16-mixed and bf16-true on CP=2."""
     import lightning as L
@@ -201,7 +246,7 @@ def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
 
     def trainer(steps, **kw):
         kw.setdefault("enable_checkpointing", False)
-        return L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4),
+        return L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4, sparsity=None),
                          max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, **kw)
 
@@ -264,7 +309,7 @@ def test_attention_callback_per_layer_options_with_configure_model():
     assert [layer.self_attn._mtraining_ring.sparsity for layer in model.model.layers] == [None, budgets]
 
     def trainer(cb):
-        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16), max_steps=1,
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None), max_steps=1,
                          callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=1)
 

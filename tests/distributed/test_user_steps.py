@@ -83,7 +83,7 @@ def _trainer(world_size: int, **strategy_kwargs: Any):
     from lightning_mtraining import MTrainingStrategy
 
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**strategy_kwargs), max_steps=1,
+        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}), max_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
 
@@ -288,9 +288,15 @@ def test_model_config_fails_before_any_process_starts(monkeypatch):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(8, dtype=torch.long)}] * 2, batch_size=1)
-    trainer = _quiet_trainer(devices=2, strategy=MTrainingStrategy(), max_steps=1)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel .*attention dropout \(config\.attn_pdrop=0\.1\)"):
+    trainer = _quiet_trainer(devices=2, strategy=MTrainingStrategy(sparsity=None), max_steps=1)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel .*attention dropout \(config\.attn_pdrop=0\.1\)") as info:
         trainer.fit(GPT2Module(), loader)
+    # reported by this one process, without the other ranks' lines (Note [Failures that speak once])
+    from lightning_mtraining.core.errors import SameOnRanks, format_failure
+
+    mark = info.value._mtraining_same_on_ranks
+    assert mark == SameOnRanks(0, 0, 1, "this process")
+    assert format_failure(info.value, mark).startswith("ValueError: GPT2LMHeadModel cannot be trained")
 
 
 def test_one_device_matches_strategy_auto():

@@ -56,8 +56,9 @@ def lightning_module_class():
             if self.call == "kwargs":
                 out = self.model(**{k: v for k, v in batch.items() if k != "idx"})
             elif self.call == "clone":  # labels built here, not a tensor of the batch: shifted over the CP group
-                out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 labels=batch["input_ids"].clone())
+                # (padding gets -100: labels at padded positions are refused, see test_padding_labels.py)
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
             elif self.call in ("helper", "manual"):  # the step computes its own loss from the logits
                 logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 if self.call == "manual":  # the single-device idiom: a local shift (wrong on a shard)
@@ -115,7 +116,7 @@ def fit(world_size: int, scenario: dict[str, Any], devices: int | None = None, n
 
     if scenario.get("quiet", True):
         quiet()
-    strategy_kwargs = dict(scenario.get("strategy", {}))
+    strategy_kwargs = {"sparsity": None, **scenario.get("strategy", {})}  # dense unless the scenario says otherwise
     if scenario.get("fsdp"):
         from lightning_mtraining.strategies.fsdp import MTrainingFSDPStrategy
 

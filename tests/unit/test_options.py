@@ -64,3 +64,31 @@ def test_bad_options_name_the_strategy_the_option_and_the_value(cls, kwargs, err
     with pytest.raises(error, match=rf"^{cls.__name__}\({next(iter(kwargs))}=\.\.\.\) must be ") as info:
         cls(**kwargs)
     assert words in str(info.value)
+
+
+def test_a_strategy_class_means_what_its_name_means():
+    """``MTrainingStrategy()`` is ``strategy="mtraining"``: sparse in the paper's setting, for every strategy class
+    (Trainer DDP and FSDP2, Fabric); the ``*_dense`` names are ``sparsity=None``. One meaning for one name."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_mtraining.sparsity.config import PAPER_SPARSITY
+
+    assert ContextParallelOptions().sparsity == PAPER_SPARSITY
+    for registry, cls, sparse, dense in ((StrategyRegistry, MTrainingStrategy, "mtraining", "mtraining_dense"),
+                                         (StrategyRegistry, MTrainingFSDPStrategy, "mtraining_fsdp",
+                                          "mtraining_fsdp_dense"),
+                                         (STRATEGY_REGISTRY, MTrainingFabricStrategy, "mtraining", "mtraining_dense")):
+        assert registry[sparse]["strategy"] is cls and registry[dense]["strategy"] is cls
+        assert cls().sparsity == registry.get(sparse).sparsity == PAPER_SPARSITY, cls.__name__
+        assert registry.get(dense).sparsity is None and cls(sparsity=None).sparsity is None, cls.__name__
+        assert "PAPER_SPARSITY" in cls.__doc__, cls.__name__  # the docstring says what the default is
+
+
+def test_a_default_that_cannot_tile_the_layout_says_it_is_the_default():
+    """The default is sparse (128-token tiles): a striped block of 64 fails at construction, naming the default and
+    both ways out (a smaller tile, or dense)."""
+    with pytest.raises(ValueError, match=r"^MTrainingStrategy\(sparsity=PAPER_SPARSITY, the default\): ") as info:
+        MTrainingStrategy(block_size=64)
+    assert "SparsityConfig(tile_size=...)" in str(info.value) and "sparsity=None" in str(info.value)
+    assert MTrainingStrategy(block_size=64, sparsity=None).sparsity is None

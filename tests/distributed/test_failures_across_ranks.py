@@ -1,0 +1,130 @@
+"""Failures under Lightning's own launcher (``Trainer(devices=2)`` run as a script: the subprocess launcher starts
+rank 1 as a child of rank 0), as a user sees them.
+
+- A failure every rank finds alike (left padding: both ranks of the CP group reject the batch) is reported once, by
+  rank 0, message first, in at most 3 lines; rank 1 ends with one line naming it; no traceback anywhere (Note
+  [Failures that speak once] in lightning_mtraining.core.errors).
+- Rank 0 fails while rank 1 stalls in its step: the job ends and rank 1 with it; no process outlives the job (Note
+  [No rank outlives a failure] in lightning_mtraining.strategies.launchers). Without it, rank 1 kept running after
+  rank 0 had exited.
+
+The script is written into the test's folder and run with this interpreter; a ~25 s run each on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = """
+import os, sys, time, warnings
+warnings.filterwarnings("ignore")
+import lightning as L
+import torch
+from helpers.models import make_model
+from lightning_mtraining import MTrainingStrategy
+
+mode, folder = sys.argv[1], sys.argv[2]
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = make_model("llama")
+
+    def training_step(self, batch, batch_idx):
+        if mode == "stall":
+            if self.global_rank == 1:
+                open(os.path.join(folder, "rank1.pid"), "w").write(str(os.getpid()))
+                time.sleep(600)  # a rank that hangs in user code
+            while not os.path.exists(os.path.join(folder, "rank1.pid")):  # rank 1 is stalling now
+                time.sleep(0.1)
+            raise RuntimeError("rank 0 fails")
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+ids = torch.randint(1, 64, (2, 40))
+mask = torch.ones_like(ids)
+if mode == "left_padding":
+    mask[:, :3] = 0
+data = [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(2)]
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MTrainingStrategy(sparsity=None, block_size=16),
+                    max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _run(tmp_path: Path, mode: str) -> tuple[int | None, str]:
+    """(the job's exit code, or None if it was still running after 300 s; what it printed). Output goes to a file,
+    not a pipe: a rank left running would hold a pipe open after the job ended. Ends rank 1 if the job left it."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK",
+                                                            "LOCAL_RANK", "NODE_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    log = tmp_path / "output.txt"
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path)], env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+        try:
+            code = job.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+            code = None
+    return code, log.read_text()
+
+
+def _end_rank1(tmp_path: Path) -> int | None:
+    """Rank 1's pid if it wrote one, and whether it was still alive (then ended here, by its pid)."""
+    pid_file = tmp_path / "rank1.pid"
+    if not pid_file.exists():
+        return None
+    pid = int(pid_file.read_text())
+    if _alive(pid):
+        os.kill(pid, 9)  # a process this test started
+        return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_failure_every_rank_finds_is_reported_once(tmp_path):
+    code, out = _run(tmp_path, "left_padding")
+    assert code == 1, out
+    assert "Traceback" not in out, out
+    rank0 = [line for line in out.splitlines() if line.startswith("[rank0]:")]
+    rank1 = [line for line in out.splitlines() if line.startswith("[rank1]:")]
+    assert 2 <= len(rank0) <= 3, out
+    assert rank0[0].startswith("[rank0]: ValueError: attention_mask rows [0] have padding before real tokens"), out
+    assert len(rank1) == 1 and rank1[0].startswith("[rank1]: ValueError, reported by rank 0"), out
+    assert "attention_mask rows [0]" in rank1[0], out  # says what happened even without rank 0's report
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_no_rank_outlives_a_failure_while_another_stalls(tmp_path):
+    code, out = _run(tmp_path, "stall")
+    left_running = _end_rank1(tmp_path)
+    assert (tmp_path / "rank1.pid").exists(), out  # rank 1 did stall
+    assert left_running is None, f"rank 1 (pid {left_running}) outlived the job:\n{out}"
+    assert code == 1, out
+    assert "RuntimeError: rank 0 fails" in out and "local rank(s) [1] still running" in out, out

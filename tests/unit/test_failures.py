@@ -1,0 +1,210 @@
+"""Failures that speak once (Note [Failures that speak once] in lightning_mtraining.core.errors) and no local rank
+left running (Note [No rank outlives a failure] in lightning_mtraining.strategies.launchers), in one process.
+
+What is checked: the report a marked failure prints (the reporting rank: the message first, then where it was raised
+and the user's frame, in at most a few lines; any other rank: one line naming the reporting rank), that Python
+prints it for an uncaught exception and the full traceback when asked, which checks mark what they raise (and which
+must not), that a model built in ``configure_model`` is checked before the strategy's ``setup`` runs, and the
+launcher's rule for child processes (children of this test: ``sleep`` processes). The multi-process runs under
+Lightning's own launcher are in ``tests/distributed/test_failures_across_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from helpers.models import make_model
+
+from lightning_mtraining.core.errors import FULL_TRACEBACK_ENV, SameOnRanks, format_failure, mark_same_on_ranks
+
+
+def _raised(message: str) -> ValueError:
+    try:
+        raise ValueError(message)
+    except ValueError as e:
+        return e
+
+
+def test_the_reporting_rank_prints_the_message_first_in_a_few_lines():
+    exc = _raised("attention_mask rows [0] have padding before real tokens")
+    text = format_failure(exc, SameOnRanks(rank=0, reporter=0, world_size=2, ranks="every rank"))
+    lines = text.splitlines()
+    assert lines[0] == "[rank0]: ValueError: attention_mask rows [0] have padding before real tokens"
+    assert len(lines) == 3 and "raised in" in lines[1] and "test_failures.py" in lines[1]
+    assert "every rank found the same" in lines[2] and f"{FULL_TRACEBACK_ENV}=1" in lines[2]
+    one = format_failure(_raised("x"), SameOnRanks(0, 0, 1, "every rank"))  # one process: no rank prefix
+    assert one.startswith("ValueError: x\n") and "[rank" not in one and "found the same" not in one
+
+
+def test_another_rank_prints_one_line_naming_the_reporting_rank():
+    exc = _raised("a long message " * 20)
+    text = format_failure(exc, SameOnRanks(rank=3, reporter=2, world_size=4, ranks="every rank of the group"))
+    assert text.count("\n") == 1 and text.startswith("[rank3]: ValueError, reported by rank 2 (found the same here): ")
+    assert "a long message a long message" in text and text.rstrip().endswith("...") and len(text) < 200
+
+
+_SCRIPT = """
+from lightning_mtraining.core.errors import mark_same_on_ranks
+
+def check():
+    raise ValueError("the batch is wrong: do this")
+
+try:
+    check()
+except ValueError as e:
+    raise mark_same_on_ranks(e, 0, 0, 1, "every rank")
+"""
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_python_prints_the_short_report_of_an_uncaught_marked_failure(full):
+    env = {**os.environ, FULL_TRACEBACK_ENV: "1" if full else ""}
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    if full:  # the environment variable brings Python's own traceback back
+        assert lines[0].startswith("Traceback") and lines[-1] == "ValueError: the batch is wrong: do this"
+    else:
+        assert lines[0] == "ValueError: the batch is wrong: do this" and len(lines) <= 3, run.stderr
+        assert "Traceback" not in run.stderr
+
+
+def test_marking_keeps_the_exception_and_only_the_first_mark_counts():
+    exc = _raised("m")
+    assert mark_same_on_ranks(exc, 1, 0, 2, "every rank") is exc
+    mark_same_on_ranks(exc, 1, 1, 2, "other")
+    assert format_failure(exc, exc._mtraining_same_on_ranks).startswith("[rank1]: ValueError, reported by rank 0")
+
+
+def _mark(exc: BaseException) -> SameOnRanks | None:
+    return getattr(exc, "_mtraining_same_on_ranks", None)
+
+
+def test_checks_mark_their_failures_and_a_rank_dependent_check_does_not():
+    """What every rank of the CP group holds alike (the batch, the forward's inputs, the model) fails marked; the
+    position_ids check, whose outcome may differ by rank, is left unmarked (full traceback on every rank)."""
+    from lightning_mtraining import SparsityConfig, apply_context_parallel
+
+    model = make_model("llama")
+    cp = apply_context_parallel(model, None, sparsity=SparsityConfig(vertical_topk=2, slash_topk=2, last_q=16,
+                                                                      tile_size=16), block_size=16)
+    ids = torch.randint(1, 64, (1, 32))
+    with pytest.raises(ValueError, match="left padding") as info:
+        cp.shard({"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0)})
+    assert _mark(info.value) == SameOnRanks(0, 0, 1, "every rank of the context-parallel group")
+    batch = cp.shard({"input_ids": ids})
+    with pytest.raises(ValueError, match="output_attentions") as info:
+        model(**batch, output_attentions=True)
+    assert _mark(info.value) is not None
+    with pytest.raises(ValueError, match="neither the tokens' global positions") as info:
+        model(**batch, position_ids=torch.arange(32)[None] + 1)
+    assert _mark(info.value) is None
+    with pytest.raises(ValueError, match="attention dropout") as info:
+        apply_context_parallel(make_model("llama", attention_dropout=0.1), None)
+    assert _mark(info.value) == SameOnRanks(0, 0, 1, "every rank")
+
+
+def test_a_model_built_in_configure_model_is_checked_before_the_strategys_setup():
+    """The model built in configure_model is checked as soon as it exists (when Lightning's model_sharded_context
+    closes), before the strategy's setup, where DDP's first collective runs; the failure is marked."""
+    import lightning as L
+
+    from lightning_mtraining import MTrainingStrategy
+
+    calls = []
+
+    class Recording(MTrainingStrategy):
+        def setup(self, trainer):
+            calls.append("setup")
+            super().setup(trainer)
+
+    class Late(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = None
+
+        def configure_model(self):
+            self.model = make_model("llama", attention_dropout=0.1)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Recording(sparsity=None), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(8, dtype=torch.long)}] * 2, batch_size=1)
+    with pytest.raises(ValueError, match=r"attention dropout \(config\.attention_dropout=0\.1\)") as info:
+        trainer.fit(Late(), loader)
+    assert calls == [] and _mark(info.value) == SameOnRanks(0, 0, 1, "every rank")
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_failing_launcher_ends_children_that_are_still_running():
+    """This process failed: a child that ends on its own within the grace period is left to end; one still running
+    after it is killed and reaped."""
+    from lightning_mtraining.strategies.launchers import LocalRanks
+
+    quick = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    stalled = _sleeper()
+    ranks = LocalRanks([quick, stalled], grace_s=1.0)
+    ranks.end_after_failure()
+    assert quick.returncode == 1  # ended on its own
+    assert stalled.returncode == -signal.SIGKILL  # killed and reaped: no process outlives the job
+
+
+def test_a_failing_child_ends_this_process_after_the_grace_period(monkeypatch):
+    """A child failed: this process gets the grace period, then the other children and this process are killed
+    (the kill of this process is recorded here instead of delivered)."""
+    from lightning_mtraining.strategies import launchers
+
+    killed_self = []
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == os.getpid():
+            killed_self.append(sig)
+        else:
+            real_kill(pid, sig)
+
+    monkeypatch.setattr(launchers.os, "kill", kill)
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    stalled = _sleeper()
+    ranks = launchers.LocalRanks([failing, stalled], grace_s=0.5, poll_s=0.05)
+    start = time.monotonic()
+    ranks.start()
+    ranks.join(timeout=60)
+    assert not ranks.is_alive()
+    assert killed_self == [signal.SIGKILL] and stalled.returncode == -signal.SIGKILL
+    assert time.monotonic() - start >= 0.5  # not before the grace period
+
+
+def test_at_exit_children_are_ended_only_after_an_uncaught_failure(monkeypatch):
+    """Fabric's script goes on after fabric.launch(): at exit, children are ended if the script ends with an uncaught
+    exception (sys.last_value), and left alone after a clean end."""
+    from lightning_mtraining.strategies.launchers import LocalRanks
+
+    child = _sleeper()
+    try:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+        LocalRanks([child], grace_s=0.2).end_if_this_failed()
+        assert child.poll() is None  # a clean end: the child is not this process's to end
+        monkeypatch.setattr(sys, "last_value", ValueError("uncaught"), raising=False)
+        LocalRanks([child], grace_s=0.2).end_if_this_failed()
+        assert child.returncode == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
