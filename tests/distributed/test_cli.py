@@ -65,7 +65,6 @@ def test_config_parses_into_typed_strategy(tmp_path, monkeypatch):
                      args=[*args, "--trainer.strategy.init_args.layout=diagonal"])
 
 
-@pytest.mark.slow
 def test_cli_fit_runs_two_processes(tmp_path):
     """The documented command, shortened (2 steps, 511 tokens), with its 2 CPU processes."""
     cmd = [sys.executable, str(ROOT / "examples" / "cli.py"), "fit", "--config", str(CONFIG),

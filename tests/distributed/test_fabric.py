@@ -85,7 +85,6 @@ def test_registered():
         MTrainingFabricStrategy(block_size=0)
 
 
-@pytest.mark.slow
 def test_fabric_loop_two_processes_matches_single_process():
     """CP=2, striped, odd length 15 padded to 16, right padding, gradient accumulation over 2 micro-batches; then
     a locally shifted loss is refused by fabric.backward, and gather_sequence gives whole logits."""

@@ -106,7 +106,6 @@ def _end_rank1(tmp_path: Path) -> int | None:
     return None
 
 
-@pytest.mark.slow
 def test_a_failure_every_rank_finds_is_reported_once(tmp_path):
     code, out = _run(tmp_path, "left_padding")
     assert code == 1, out
@@ -119,7 +118,6 @@ def test_a_failure_every_rank_finds_is_reported_once(tmp_path):
     assert "attention_mask rows [0]" in rank1[0], out  # says what happened even without rank 0's report
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_no_rank_outlives_a_failure_while_another_stalls(tmp_path):
     code, out = _run(tmp_path, "stall")

@@ -73,7 +73,6 @@ def check_world(out_dir: Path, output: str, environment: str) -> None:
     assert output.count(HIER_LINE) == 1  # logged once, by rank 0
 
 
-@pytest.mark.slow
 def test_studio_multi_machine_job(tmp_path):
     """Studio runs ``python SCRIPT`` once per machine; Lightning starts the machine's other process."""
     port = free_port()
@@ -83,7 +82,6 @@ def test_studio_multi_machine_job(tmp_path):
     check_world(tmp_path, run_processes(tmp_path, machines), "LightningEnvironment")
 
 
-@pytest.mark.slow
 def test_torchrun(tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N --master-addr ... SCRIPT`` on each node."""
     port, world = free_port(), NODES * PER_NODE
@@ -96,7 +94,6 @@ def test_torchrun(tmp_path):
     check_world(tmp_path, run_processes(tmp_path, envs), "TorchElasticEnvironment")
 
 
-@pytest.mark.slow
 def test_slurm_srun(tmp_path):
     """``srun`` in an allocation of 2 nodes with ``--ntasks-per-node 2``: every task is started by SLURM."""
     port, world = free_port(15000, 25000), NODES * PER_NODE

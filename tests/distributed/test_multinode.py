@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +61,6 @@ def _node_main(out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
-@pytest.mark.slow
 def test_two_nodes_of_two_processes(tmp_path):
     from helpers.dist import free_port
     from helpers.training import check_against_reference

@@ -119,7 +119,6 @@ def _dp_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"error": None if err is None else str(err), "losses": module.losses}
 
 
-@pytest.mark.slow
 def test_a_nan_on_one_data_parallel_rank_stops_every_rank_naming_its_layer():
     results = run_distributed(_dp_worker, 2, timeout=300)
     assert results[0]["error"] is not None and results[1]["error"] is not None, results  # nobody left waiting

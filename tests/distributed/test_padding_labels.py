@@ -14,7 +14,6 @@ those labels cannot be accepted silently. ``causal_lm_loss(logits, batch)`` on a
 
 from __future__ import annotations
 
-import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.models import VOCAB, make_model
@@ -63,7 +62,6 @@ def _worker(rank: int, world_size: int) -> dict[str, object]:
     return out
 
 
-@pytest.mark.slow
 def test_labels_at_padding_are_refused_or_give_one_devices_loss():
     from lightning_mtraining import causal_lm_loss
 

@@ -72,7 +72,6 @@ def _loop(rank: int, world_size: int, cp: int, fsdp: bool, fused: bool) -> dict:
     return {"dp_rank": dp_rank, "losses": losses, "params": params, "attn": model.config._attn_implementation}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size,cp,fsdp,fused", [(2, 2, True, True), (3, 3, True, False), (4, 2, True, True),
                                                       (3, 3, False, True)])
 def test_plain_loop_matches_one_device(world_size, cp, fsdp, fused):
@@ -143,7 +142,6 @@ def _dcp_worker(rank: int, world_size: int, ckpt_dir: str, phase: str) -> list[f
     return losses
 
 
-@pytest.mark.slow
 def test_distributed_checkpoint_resumes_at_another_cp_size(tmp_path):
     """FSDP2 + CP 2 saves a sharded checkpoint (torch.distributed.checkpoint); CP 3 loads it resharded and
     continues with the losses of the uninterrupted CP 2 run (momentum: the optimizer state matters)."""

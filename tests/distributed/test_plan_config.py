@@ -77,7 +77,6 @@ def _check_strategy(cli, config: dict) -> None:
     assert (strategy.cp_size, strategy.inner_ring_size) == (s["context_parallel_size"], s["inner_ring_size"])
 
 
-@pytest.mark.slow
 def test_plan_config_runs_as_a_studio_job(tmp_path, capsys):
     from lightning_mtraining.distributed.mesh import describe_mesh
 

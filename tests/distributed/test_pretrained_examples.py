@@ -38,7 +38,6 @@ def test_smollm2_config_parses(tmp_path, monkeypatch):
 
 
 @needs_real_model
-@pytest.mark.slow
 def test_train_example_with_the_real_model(tmp_path_factory, tmp_path):
     pytest.importorskip("litdata")
     folder = smollm2_folder(tmp_path_factory)

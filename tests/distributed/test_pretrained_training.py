@@ -23,7 +23,6 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.real_model import needs_real_model, smollm2_folder
@@ -99,7 +98,6 @@ def _samples(folder: Path) -> list[dict[str, torch.Tensor]]:
 
 
 @needs_real_model
-@pytest.mark.slow
 def test_sparse_training_of_the_real_model_on_2_ranks_equals_one_device(tmp_path_factory):
     folder = smollm2_folder(tmp_path_factory)
     samples = _samples(folder)

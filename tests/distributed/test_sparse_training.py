@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.training import (
@@ -196,7 +195,6 @@ class _Collect(__import__("logging").Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.slow
 def test_a_sparse_run_at_a_dense_runs_cost_says_so_once():
     """``strategy="mtraining"`` (the paper's top-p 0.9) on 256 tokens keeps every pair of this model (random
     weights, 128-token tiles): the run logs once, on rank 0, the density, the length and what to do instead (measured

@@ -147,7 +147,6 @@ def test_bad_batch_and_model_errors():
     assert strategy.shard_batch(odd) is odd
 
 
-@pytest.mark.slow
 def test_two_processes_match_single_process():
     """CP=2: Qwen2 striped (odd length 13 -> 16, padding, grad accumulation, model(**batch)) and Llama zigzag
     with only input_ids/labels passed and the model built in configure_model."""
@@ -158,7 +157,6 @@ def test_two_processes_match_single_process():
     ])
 
 
-@pytest.mark.slow
 def test_four_processes_and_dp2_cp2_match_single_process():
     """CP=4 (Llama, striped, clipping) and DP=2 x CP=2 (Qwen2, contiguous, grad accumulation, labels built in
     training_step from input_ids)."""
@@ -169,7 +167,6 @@ def test_four_processes_and_dp2_cp2_match_single_process():
     ])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size,cp", [(3, 3), (4, 2)])  # 8 ranks, HSDP x CP x TP: test_tensor_parallel.py
 def test_fsdp_strategy_matches_single_process(world_size, cp):
     """MTrainingFSDPStrategy: FSDP2 over the flattened dp x cp mesh gives the reference's losses and parameters."""
@@ -209,7 +206,6 @@ def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[i
     return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
 
 
-@pytest.mark.slow
 def test_a_shuffled_loader_gives_one_devices_losses_as_the_readme_says():
     """The README's recipe for comparing with one device: data-parallel size 1, ``use_distributed_sampler=False``
     and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device run's samples in its order
@@ -274,7 +270,6 @@ def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     }
 
 
-@pytest.mark.slow
 def test_validation_checkpoint_resume_and_bf16_two_processes(tmp_path):
     results = run_distributed(_features_worker, 2, str(tmp_path), timeout=300)
     for r in results:
@@ -366,7 +361,6 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str, phase: str, fsdp: 
     return {"records": resumed.records}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_checkpoint_resumes_at_another_cp_size(tmp_path, fsdp):
     """A checkpoint written on a CP group of 2 resumes on a CP group of 3 (and, DDP, on one process) with the same

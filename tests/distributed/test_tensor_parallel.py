@@ -152,7 +152,6 @@ def _assert_matches(result: dict, ref: tuple, what: str, first: int = 0) -> None
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
-@pytest.mark.slow
 def test_dp_cp_tp_meshes_match_one_device_and_checkpoints_move_across_layouts(tmp_path):
     """One launch of 8 gloo ranks: the Trainer strategy at DP-replicate 2 x CP 2 x TP 2 (dense); the plain loop at
     DP-shard 2 x CP 2 x TP 2 (sparse), its checkpoint resumed at DP-replicate 2 x CP 4 x TP 1 (HSDP)."""

@@ -152,7 +152,6 @@ def _scenario(family: str, call: str) -> dict[str, Any]:
     return dict(family=family, call=call, n_samples=6, seq_len=SEQ, steps=3)
 
 
-@pytest.mark.slow
 def test_two_ranks_step_patterns_outputs_and_checks():
     results = run_distributed(_two_rank_worker, 2, timeout=420)
 
@@ -214,7 +213,6 @@ def test_two_ranks_step_patterns_outputs_and_checks():
     assert not any(r["initialized_after_normal"] for r in results)
 
 
-@pytest.mark.slow
 def test_three_ranks_loss_patterns_match_single_process():
     """Odd world size: 301 tokens padded to 384 (3 x 128), Qwen2."""
     per_rank = run_distributed(_loss_patterns_worker, 3, "qwen2", timeout=420)

@@ -5,6 +5,7 @@ steps on the embedded corpus and generated tasks, are scored on tasks served den
 import json
 import math
 
+import pytest
 from helpers.scripts import load_script
 
 
@@ -12,6 +13,7 @@ def _bench():
     return load_script("benchmarks/accuracy.py", "accuracy_bench")
 
 
+@pytest.mark.slow
 def test_accuracy_smoke(tmp_path):
     bench = _bench()
     out = bench.main(["--smoke", "--variant", "dense,topk", "--out-dir", str(tmp_path)])

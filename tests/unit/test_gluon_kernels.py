@@ -165,6 +165,7 @@ def test_gluon_where_it_cannot_run_says_why():
 
 
 @needs_gluon
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel,head_dim,has_cols,has_prev",
                          [("forward", 128, True, True), ("forward", 64, False, False), ("dq", 128, True, False),
                           ("dq", 64, False, False), ("dkdv", 128, True, False), ("dkdv", 64, True, False),

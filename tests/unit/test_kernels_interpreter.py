@@ -21,6 +21,8 @@ import sys
 import pytest
 from helpers.interpreter import run_interpreter_checks
 
+pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: minutes on 2 cores
+
 CHECKS = [
     "pattern_fp32_gqa_ragged_per_head",
     "pattern_per_group_d64",

@@ -157,6 +157,7 @@ def test_torch_only_users_do_not_import_lightning(module):
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.slow
 def test_importing_the_package_registers_the_strategy_names_whenever_lightning_is_imported():
     """``import lightning_mtraining`` before Lightning, after it, or with Fabric alone: the names are registered
     (Note [Registering without importing Lightning])."""

@@ -28,6 +28,8 @@ import pytest
 import torch
 from helpers.interpreter import run_interpreter_checks
 
+pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: minutes on 2 cores
+
 CASES = [("striped", 1, 16), ("striped", 3, 16), ("striped", 4, 32), ("zigzag", 3, 16), ("contiguous", 3, 16)]
 CHECKS = [f"scores_{lay}_w{w}_b{blk}" for lay, w, blk in CASES] + [
     "estimate_pattern_triton_equals_torch_w1",

@@ -97,6 +97,7 @@ def test_dense_ring_equals_reference(case, dtype, window, softcap):
 
 @SETTINGS
 @given(case=ring_cases(sparse=True), data=st.data())
+@pytest.mark.slow
 def test_sparse_ring_equals_its_pattern(case, data):
     """A drawn vertical-slash pattern (duplicates, padding, out-of-range-free) through the simulated sparse ring
     equals masked attention over exactly the pattern's pairs (its tile rule from ``mtraining_kernels.reference``)."""

@@ -26,6 +26,8 @@ import pytest
 import torch
 from helpers.interpreter import run_interpreter_checks
 
+pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: minutes on 2 cores
+
 # (layout, W, sequence length, stripe block); T = 16 throughout. 384 = 2^7 * 3 fits every striped case.
 LAYOUTS = [
     ("striped", 1, 384, 16), ("striped", 3, 384, 16), ("striped", 3, 384, 32),
