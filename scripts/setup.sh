@@ -33,7 +33,7 @@ $PIP install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 $PIP uninstall -q -y torchvision >/dev/null 2>&1 || true
 .venv/bin/python - <<'EOF'
 import torch, lightning, transformers, litdata, gguf, accelerate, lightning_mtraining, mtraining_kernels
-from lightning_mtraining.pretrained import packaged_gguf
+from lightning_mtraining.hf.pretrained import packaged_gguf
 
 # nothing above may have replaced the CPU torch build (an unpinned requirement would pull a CUDA one)
 assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, torch.__version__
