@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.hf.model import find_hf_models
 from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.schedule import dense_head_share
 
 __all__ = ["SparseAttentionCallback"]
 
@@ -170,9 +171,10 @@ class SparseAttentionCallback(Callback):
         imbalance = sum(s.step_max for s in stats.values()) / mean if mean > 0 else 1.0
         pl_module.log("attention/imbalance", imbalance, prog_bar=self.prog_bar, sync_dist=True, on_step=True,
                       on_epoch=False)
-        # layers whose pattern allowed more than dense_above of the pairs ran dense (the same on every rank)
-        pl_module.log("attention/dense_fallback", float(sum(s.dense_fallback for s in stats.values())),
-                      prog_bar=False, on_step=True, on_epoch=False)
+        # the share of pattern heads whose pattern allowed more than dense_above of the pairs and ran dense (a rank
+        # of a tensor-parallel group holds some of the heads: the mean over ranks)
+        pl_module.log("attention/dense_heads", dense_head_share(stats), prog_bar=False, sync_dist=True, on_step=True,
+                      on_epoch=False)
         headline = {k: v for k, v in logged.items() if k in _HEADLINE}
         layers = {k: v for k, v in logged.items() if k not in _HEADLINE}
         # already world values (the metrics synced them): no sync_dist

@@ -23,7 +23,7 @@ from lightning_mtraining.ring.setup import (
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import RingAttentionFunction
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, runs_dense
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
 
 __all__ = ["ring_attention"]
 
@@ -90,10 +90,10 @@ def ring_attention(
             sparse Triton kernels have no per-document bound yet, so a sparse ring over packed documents runs the
             chunked torch op (:class:`TorchBlockOp`) on CUDA: exact but slower (warned once).
 
-        dense_above: run dense attention instead of a sparse pattern that allows more than this share of the causal
-            pairs of the real sequences (``seq_len``; :func:`~lightning_mtraining.sparsity.pattern.runs_dense`: the
-            same decision on every rank and at every world size), where the sparse kernels cost more than the dense
-            one. Default: the
+        dense_above: compute densely each pattern head whose pattern allows more than this share of the causal pairs
+            of its real sequence (``seq_len``; :func:`~lightning_mtraining.sparsity.pattern.sparse_part`: decided per
+            head, the same on every rank, at every world size and under tensor parallelism), where the sparse
+            kernels cost more than the dense one. When every head does, the ring runs its dense op. Default: the
             ``SparsityConfig``'s ``dense_above`` when ``sparsity`` is a config; a given ``VerticalSlashPattern`` runs
             as given unless this is set.
 
@@ -127,7 +127,8 @@ def ring_attention(
                               doc_start=given_docs)
     if dense_above is None and isinstance(sparsity, SparsityConfig):
         dense_above = sparsity.dense_above
-    if runs_dense(pattern, real_lengths(seq_len, q.shape[0], n), dense_above):  # the pattern covers so much that dense attention is cheaper
+    pattern = sparse_part(pattern, real_lengths(seq_len, q.shape[0], n), dense_above, n)
+    if pattern is None:  # every head's pattern covers so much that dense attention is cheaper
         return ring_attention(q, k, v, group=group, layout=layout, block_size=block_size, inner_group=inner_group,
                               outer_group=outer_group, scale=scale, softcap=softcap, doc_start=given_docs)
     op = variant_op(sparse_block_op(op, q.device, pattern.tile_size), None, softcap)

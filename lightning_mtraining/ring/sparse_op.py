@@ -60,7 +60,7 @@ from lightning_mtraining.ring.steps import attention_variant, build_step_lists, 
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, runs_dense
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
 
 __all__ = ["estimate_pattern_op", "forget_plan", "new_plan_uid", "pattern_widths", "sparse_ring_attention",
            "track_plan"]
@@ -183,8 +183,8 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
                   layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
                   verticals: str, dense_above: float, seq_lens: list[int], validate: bool = False):
     """What :func:`~lightning_mtraining.ring.attention.ring_attention` decides before a sparse ring, from the op's arguments:
-    the topology, positions, block op, per-step lists (None: the pattern allows more than ``dense_above`` of the pairs
-    and the ring runs dense, as ring_attention does), estimator group and variant keywords, and the steps that compute
+    the topology, positions, block op, per-step lists (None: every head's pattern allows more than ``dense_above`` of
+    its pairs and the ring runs dense, as ring_attention does; heads that do run the full pattern), estimator group and variant keywords, and the steps that compute
     nothing (``validate``: check the pattern against the sequence and heads, one host sync; the forward does, the
     backward gets the same pattern)."""
     topo = topology_by_names(group, inner_group, outer_group)
@@ -198,7 +198,9 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     if validate:
         pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
-    if runs_dense(pattern, real_lengths(seq_lens or None, q.shape[0], n), dense_above if dense_above >= 0 else None):
+    pattern = sparse_part(pattern, real_lengths(seq_lens or None, q.shape[0], n),
+                          dense_above if dense_above >= 0 else None, n)
+    if pattern is None:
         d = dense_setup(q, k, v, topo, layout, block_size, scale, None, softcap, doc_start)
         return topo, d.positions, d.op, None, None, d.variant, d.skips
     op = variant_op(sparse_block_op(None, q.device, tile_size), None, softcap)

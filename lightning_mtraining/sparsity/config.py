@@ -19,9 +19,11 @@ from lightning_mtraining.sparsity.pattern import check_tile_size
 
 __all__ = ["DENSE_ABOVE", "PAPER_SPARSITY", "SparsityConfig", "parse_sparsity"]
 
-# Above this share of the causal pairs a layer's sparse attention costs more than dense attention on one GPU
-# (``benchmarks/kernel_sparse.py`` at high densities against FlexAttention dense, plus the estimator's lists and the
-# gathered columns): the default of ``SparsityConfig.dense_above``.
+# The share of a head's causal pairs above which its sparse attention is taken to cost more than dense attention on
+# one GPU: the vertical-slash kernels run at about FlexAttention dense's rate per computed pair (98-113% at
+# 128K-512K on an H200, benchmarks/RESULTS.md "Kernels"), so near full density the sparse path costs dense attention
+# plus the estimator, the per-step lists and the gathered columns. Derived from those rates, not yet swept on a GPU
+# at high densities (benchmarks/kernel_sparse.py --fractions 0.6 0.8 0.95). The default of SparsityConfig.dense_above.
 DENSE_ABOVE = 0.85
 
 PatternHeads = Literal["query", "kv"]
@@ -119,12 +121,14 @@ class SparsityConfig:
         dense_layers: layer indices that always run dense (exact) attention.
         dense_warmup_steps: optimizer steps trained dense before sparse attention starts (applied by the
             strategies' schedule; ``estimate_pattern`` itself ignores it).
-        dense_above: a layer whose estimated pattern allows more than this share of the causal (query, key) pairs
-            runs dense attention in that forward instead: there the sparse kernels, the estimator's lists and the
-            gathered columns cost more than the dense kernel (diffuse attention: a fresh model, early training, short
-            sequences). ``None``: always run the pattern. Decided per layer and forward from the exact pair count
-            (one host sync), the same on every rank; applied by the strategies' schedule in eager forwards (a compiled
-            layer runs its pattern); the logged ``attention/dense_fallback`` counts the layers it sent to dense.
+        dense_above: a pattern head whose estimated pattern allows more than this share of its sequence's causal
+            (query, key) pairs computes dense attention in that forward instead: there the sparse kernels, the
+            estimator's lists and the gathered columns cost more than the dense kernel (diffuse attention: a fresh
+            model, early training, short sequences); when every head of a layer does, the layer runs the dense ring.
+            ``None``: always run the pattern. Decided per head and forward from the exact pair count of the real
+            (unpadded) sequence (one host sync), so the same on every rank, at every world size and under tensor
+            parallelism; applied by the strategies' attention, eager and compiled. The logged
+            ``attention/dense_heads`` is the share of heads it sent to dense.
         budgets: per-layer (and optionally per-head) budgets calibrated offline: ``{layer: (vertical, slash)}`` or
             ``{layer: [(vertical, slash), ...]}`` (one pair per pattern head), or the path of a JSON file holding
             that mapping. In top-k mode a pair replaces ``(vertical_topk, slash_topk)``; in top-p mode it replaces

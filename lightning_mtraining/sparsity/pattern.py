@@ -21,7 +21,8 @@ import torch
 
 from lightning_mtraining.core.checks import is_int
 
-__all__ = ["VerticalSlashPattern", "allowed_share", "check_tile_size", "real_lengths", "runs_dense"]
+__all__ = ["VerticalSlashPattern", "allowed_share", "check_tile_size", "dense_heads", "head_pairs", "real_lengths",
+           "sparse_part", "with_dense_heads"]
 
 
 def check_tile_size(tile_size: Any, owner: str) -> None:
@@ -144,17 +145,23 @@ class VerticalSlashPattern:
         return cls(vertical, slash.contiguous(), tile_size)
 
 
+def head_pairs(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(allowed [B, G], causal [B])``: the (query, key) pairs each row's pattern head allows over the row's real
+    sequence (``lengths``, one per batch row), and the causal pairs of that sequence (exact, per tile)."""
+    allowed = torch.cat([
+        VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1],
+                             pattern.tile_size).allowed_pairs(length)
+        for b, length in enumerate(lengths)])
+    causal = torch.tensor([length * (length + 1) // 2 for length in lengths], dtype=torch.int64,
+                          device=allowed.device)
+    return allowed, causal
+
+
 def allowed_share(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[int, int]:
     """``(allowed, causal)``: the (query, key) pairs ``pattern`` allows over the real sequences (``lengths``, one per
-    batch row) and the causal pairs of the same sequences, summed over rows and pattern heads (exact, per tile; one
-    host sync)."""
-    allowed = torch.zeros((), dtype=torch.int64, device=pattern.vertical_idx.device)
-    causal = 0
-    for b, length in enumerate(lengths):
-        row = VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1], pattern.tile_size)
-        allowed = allowed + row.allowed_pairs(length).sum()
-        causal += length * (length + 1) // 2 * pattern.num_heads
-    return int(allowed), causal
+    batch row) and the causal pairs of the same sequences, summed over rows and pattern heads (one host sync)."""
+    allowed, causal = head_pairs(pattern, lengths)
+    return int(allowed.sum()), int(causal.sum()) * pattern.num_heads
 
 
 def real_lengths(seq_len: Any, batch: int, padded: int) -> list[int]:
@@ -166,11 +173,44 @@ def real_lengths(seq_len: Any, batch: int, padded: int) -> list[int]:
     return [int(x) for x in seq_len]
 
 
-def runs_dense(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None) -> bool:
-    """Whether a ring runs dense attention instead of ``pattern``: it allows more than ``dense_above`` of the causal
-    pairs of the real sequences (``lengths``, one per batch row; :func:`allowed_share`), so the decision is the same
-    on every rank (the pattern is) and at every world size (padding does not count). ``dense_above=None``: never."""
+def dense_heads(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None) -> torch.Tensor | None:
+    """``[B, G]`` bool: the pattern heads (per batch row) that allow more than ``dense_above`` of their real sequence's
+    causal pairs, which run dense attention instead (:func:`with_dense_heads`); None when ``dense_above`` is None.
+    Decided per head, so the decision is the same on every rank (the pattern is), at every world size (padding does
+    not count) and under tensor parallelism (a rank holds whole heads)."""
     if dense_above is None:
-        return False
-    allowed, causal = allowed_share(pattern, lengths)
-    return allowed > dense_above * causal
+        return None
+    allowed, causal = head_pairs(pattern, lengths)
+    return allowed > dense_above * causal[:, None]
+
+
+def with_dense_heads(pattern: VerticalSlashPattern, dense: torch.Tensor, seq_len: int) -> VerticalSlashPattern:
+    """``pattern`` with the heads marked in ``dense [B, G]`` replaced by the full pattern of a ``seq_len``-token
+    sequence (a slash through every tile diagonal, no vertical): those heads compute dense causal attention."""
+    T = pattern.tile_size
+    n_tiles = -(-seq_len // T)
+    dense = dense.to(pattern.vertical_idx.device)
+    full = torch.arange(n_tiles, device=dense.device, dtype=pattern.slash_idx.dtype) * T
+    width = max(pattern.slash_idx.shape[-1], n_tiles)
+    slash = torch.full((*pattern.slash_idx.shape[:2], width), -1, dtype=pattern.slash_idx.dtype, device=dense.device)
+    slash[..., :pattern.slash_idx.shape[-1]] = pattern.slash_idx
+    slash[dense] = torch.cat([full, full.new_full((width - n_tiles,), -1)])
+    vertical = pattern.vertical_idx.masked_fill(dense[..., None], -1)
+    return VerticalSlashPattern(vertical, slash, T)
+
+
+def sparse_part(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None,
+                seq_len: int) -> VerticalSlashPattern | None:
+    """What a ring computes for ``pattern`` under ``dense_above`` (:func:`dense_heads`): None when every head runs
+    dense (the ring then runs its dense op, cheaper than the sparse kernels over every tile), else the pattern with
+    the dense heads' entries replaced by the full pattern (:func:`with_dense_heads`; the sparse kernels compute
+    those heads exactly and densely). One host sync when ``dense_above`` is set."""
+    mask = dense_heads(pattern, lengths, dense_above)
+    if mask is None:
+        return pattern
+    flags = mask.tolist()
+    if all(all(row) for row in flags):
+        return None
+    if any(any(row) for row in flags):
+        return with_dense_heads(pattern, mask, seq_len)
+    return pattern

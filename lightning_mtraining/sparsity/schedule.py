@@ -25,7 +25,7 @@ import torch
 
 from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, allowed_share
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, dense_heads, head_pairs, with_dense_heads
 
 __all__ = ["AttentionSchedule", "DENSE_LIKE_DENSITY", "LayerStats"]
 
@@ -43,12 +43,14 @@ class LayerStats:
     step_max: float  # sum over ring steps of the busiest rank's work (exact pair counts)
     step_mean: float  # sum over ring steps of the mean rank's work
     recall: float | None = None  # mean share of the attention mass kept (attention_recall), if measured
-    dense_fallback: bool = False  # the pattern allowed more than ``dense_above`` of the pairs: the layer ran dense
+    computed: int = 0  # pairs computed: the pattern's, with every causal pair for the heads that ran dense
+    dense_heads: int = 0  # pattern heads (over batch rows) whose pattern allowed more than ``dense_above``: ran dense
+    heads: int = 1  # pattern heads over batch rows
 
-    @property
-    def computed(self) -> int:
-        """The pairs the layer computed: every causal pair when it fell back to dense, else the pattern's."""
-        return self.causal if self.dense_fallback else self.allowed
+
+def dense_head_share(stats: dict[int, LayerStats]) -> float:
+    """The share of pattern heads (over layers and batch rows) that ran dense under ``dense_above``."""
+    return sum(s.dense_heads for s in stats.values()) / max(1, sum(s.heads for s in stats.values()))
 
 
 def _imbalance(stats: dict[int, LayerStats]) -> float:
@@ -147,29 +149,38 @@ class AttentionSchedule:
     def record(self, layer_idx: int, pattern: VerticalSlashPattern, lengths: list[int], n_total: int, cp_size: int,
                layout: str, block_size: int, inner_size: int | None, recall: torch.Tensor | None = None,
                dense_above: float | None = None) -> None:
-        """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured; a pattern
-        the ring ran dense instead (:func:`~lightning_mtraining.sparsity.pattern.runs_dense` with ``dense_above``) counts
-        as every causal pair."""
+        """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured; the heads
+        the ring ran dense (:func:`~lightning_mtraining.sparsity.pattern.dense_heads` with ``dense_above``) count as
+        every causal pair of their sequence."""
         p = pattern.to("cpu")
         self._measured_len = max(self._measured_len if self._stats else 0, *lengths, 0)
-        allowed, causal = allowed_share(p, lengths)
-        if dense_above is not None and allowed > dense_above * causal:  # as runs_dense decides in the ring
-            self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, dense_fallback=True)
+        per_head, causal_rows = head_pairs(p, lengths)
+        causal_heads = causal_rows[:, None].expand_as(per_head)
+        allowed, causal = int(per_head.sum()), int(causal_heads.sum())
+        mask = dense_heads(p, lengths, dense_above)
+        n_dense = 0 if mask is None else int(mask.sum())
+        computed = allowed if mask is None else int(torch.where(mask, causal_heads, per_head).sum())
+        base = dict(computed=computed, dense_heads=n_dense, heads=per_head.numel())
+        if n_dense == per_head.numel() and n_dense > 0:  # the ring ran its dense op
+            self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, **base)
             return
+        if n_dense:
+            p = with_dense_heads(p, mask, n_total)
         if cp_size > 1:
             work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
             step_max, step_mean = float(work.max(0).values.sum()), float(work.mean(0).sum())
         else:
-            step_max = step_mean = float(allowed)
+            step_max = step_mean = float(computed)
         # a float32 sum of probabilities can exceed 1 by rounding (1 + 1e-8 seen): clamp for the [0, 1] metrics
         value = None if recall is None else min(1.0, max(0.0, float(recall.double().mean())))
-        self._stats[layer_idx] = LayerStats(allowed, causal, step_max, step_mean, value)
+        self._stats[layer_idx] = LayerStats(allowed, causal, step_max, step_mean, value, **base)
 
     def metrics(self) -> dict[str, float]:
         """The last measured forward's numbers: ``attention/density`` (computed over causal pairs of the sparse
         layers), ``attention/imbalance`` (ring critical path: sum over layers and steps of the busiest rank's work
-        over the mean rank's, 1.0 = balanced), ``attention/dense_fallback`` (how many sparse layers ran dense because
-        their pattern allowed more than ``dense_above`` of the pairs: they count as density 1, their imbalance not),
+        over the mean rank's, 1.0 = balanced), ``attention/dense_heads`` (the share of pattern heads, over the sparse
+        layers and batch rows, whose pattern allowed more than ``dense_above`` of the pairs and ran dense: they count
+        as every causal pair in the density; a layer whose every head did ran the dense ring and has no imbalance),
         ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
         stats = self._stats
         if not stats:
@@ -177,7 +188,7 @@ class AttentionSchedule:
         out: dict[str, float] = {
             "attention/density": sum(s.computed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
             "attention/imbalance": _imbalance(stats),
-            "attention/dense_fallback": float(sum(s.dense_fallback for s in stats.values())),
+            "attention/dense_heads": dense_head_share(stats),
         }
         recalls = [s.recall for s in stats.values() if s.recall is not None]
         if recalls:
@@ -203,7 +214,7 @@ class AttentionSchedule:
         if density < DENSE_LIKE_DENSITY:
             return None
         kept = sum(s.allowed for s in stats.values()) / max(1, sum(s.causal for s in stats.values()))
-        fell_back = sum(s.dense_fallback for s in stats.values())
+        fell_back = dense_head_share(stats)
         self._noted = True
         config = next((c for c in map(self.layer_sparsity, sorted(stats)) if c is not None), None)
         if config is None:
@@ -217,8 +228,8 @@ class AttentionSchedule:
             budget = (f"{config.vertical_topk} verticals and {config.slash_topk} slashes per head, "
                       f"{config.tile_size}-token tiles")
             why = "at this length these budgets reach nearly every tile (slashes run whole tiles)"
-        fallback = (f" ({fell_back} of {len(stats)} layers kept more than SparsityConfig.dense_above and ran dense "
-                    "attention instead: attention/dense_fallback)") if fell_back else ""
+        fallback = (f" ({fell_back:.0%} of the heads kept more than SparsityConfig.dense_above and ran dense "
+                    "attention instead: attention/dense_heads)") if fell_back else ""
         return (
             f"MTraining sparse attention kept {kept:.0%} of the causal pairs at {self._measured_len:,} tokens "
             f"({budget}){fallback}: {why}, so each step costs what dense attention costs plus the pattern's "
