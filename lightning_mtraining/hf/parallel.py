@@ -58,6 +58,7 @@ from lightning_mtraining.hf.model import (
     validate_model,
 )
 from lightning_mtraining.hf.tensor_parallel import apply_tensor_parallel, local_sparsity
+from lightning_mtraining.hf.tiled_mlp import tile_mlps
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
 
@@ -94,7 +95,8 @@ class ContextParallel:
     ``prepared`` (those switched to ring attention: none with one CP rank and dense attention, where models keep
     their own), ``packed`` (with those, the hooks that make their attention honour packed documents,
     :class:`PackedDocuments`), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when
-    every layer is dense), ``pad_multiple`` (sequence padding asked by sparse tiles).
+    every layer is dense), ``pad_multiple`` (sequence padding asked by sparse tiles), ``tiled`` (the sequence-tiled MLPs,
+    :class:`~lightning_mtraining.hf.tiled_mlp.TiledMLPs`, or None).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class ContextParallel:
         schedule_options: dict[str, Any] | None = None,
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        tiled_mlp: int | None = None,
         owner: str = "apply_context_parallel",
         watch_nonfinite: bool = True,
     ) -> None:
@@ -143,6 +146,7 @@ class ContextParallel:
             self.prepared = [prepare_model(m, plan, layer_sparsity) for m in models]
         else:  # the models keep their own attention: make it honour packed documents (before the fused loss hook)
             self.packed = [PackedDocuments(m) for m in models]
+        self.tiled = tile_mlps(module, tiled_mlp, owner) if tiled_mlp is not None else None
         self.watch = NonFiniteWatch(models) if watch_nonfinite else None
         if fused_loss:  # after the ring hook: its pre-hook supplies the labels this one takes
             backend = "auto" if fused_loss is True else fused_loss
@@ -188,6 +192,9 @@ class ContextParallel:
         if self.watch is not None:
             self.watch.restore()
             self.watch = None
+        if self.tiled is not None:
+            self.tiled.restore()
+            self.tiled = None
         for fused in self.fused:
             fused.restore()
         for hooked in (*self.prepared, *self.packed):
@@ -254,6 +261,7 @@ def apply_context_parallel(
     sparsity: SparsityConfig | Callable[[int], SparsityConfig | None] | None = None,
     fused_loss: bool | str = True,
     activation_checkpointing: bool = False,
+    tiled_mlp: int | None = None,
 ) -> ContextParallel:
     """Switch the Hugging Face causal LMs inside ``model`` to context parallelism over ``mesh[cp_dim]``, after
     splitting their decoder layers over ``mesh[tp_dim]`` when the mesh has that axis with more than one rank.
@@ -267,8 +275,8 @@ def apply_context_parallel(
         layout, block_size: the token layout of the shards (see :mod:`lightning_mtraining.core.layouts`).
         sparsity: a :class:`SparsityConfig` for every layer, a function of the layer index, or None (dense).
             With tensor parallelism, per-head budgets are those of the global heads (each rank takes its own).
-        fused_loss, activation_checkpointing: as the strategies' options (Note [Fused loss] in
-            :mod:`lightning_mtraining.hf.fused_loss`).
+        fused_loss, activation_checkpointing, tiled_mlp: as the strategies' options (Note [Fused loss] in
+            :mod:`lightning_mtraining.hf.fused_loss`, Note [Tiled MLP] in :mod:`lightning_mtraining.hf.tiled_mlp`).
 
     Returns the :class:`ContextParallel` handle: ``shard(batch)`` before each forward, ``restore()`` to undo. A flat
     ring; the strategies build the hierarchical (intra-/inter-node) rings from their own mesh.
@@ -306,7 +314,7 @@ def apply_context_parallel(
         tp_rank, tp_size, global_sparsity = tp_mesh.get_local_rank(), tp_mesh.size(), layer_sparsity
         layer_sparsity = lambda layer_idx: local_sparsity(global_sparsity(layer_idx), tp_rank, tp_size)  # noqa: E731
     return ContextParallel(model, plan, layer_sparsity=layer_sparsity, fused_loss=fused_loss,
-                           activation_checkpointing=activation_checkpointing)
+                           activation_checkpointing=activation_checkpointing, tiled_mlp=tiled_mlp)
 
 
 def apply_fsdp(module: nn.Module, mesh: DeviceMesh | None, *, reshard_after_forward: bool = True) -> bool:

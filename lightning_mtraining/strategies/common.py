@@ -104,6 +104,7 @@ class ContextParallelMixin:
     sparsity = option_view("sparsity")
     fused_loss = option_view("fused_loss")
     activation_checkpointing = option_view("activation_checkpointing")
+    tiled_mlp = option_view("tiled_mlp")
     loss_check = option_view("loss_check")
     nonfinite_check = option_view("nonfinite_check")
 
@@ -238,7 +239,7 @@ class ContextParallelMixin:
         cp = ContextParallel(
             module, self.plan, layer_sparsity=layer_sparsity, schedule_options=schedule_options,
             fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
-            owner=type(self).__name__, watch_nonfinite=self.nonfinite_check != "off",
+            tiled_mlp=self.tiled_mlp, owner=type(self).__name__, watch_nonfinite=self.nonfinite_check != "off",
         )
         if self.options.compile:  # after the hooks and activation checkpointing, as compile_decoder_layers asks
             kwargs = self.options.compile if isinstance(self.options.compile, dict) else {}

@@ -105,6 +105,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         loss_check: Literal["raise", "warn", "off"] = "raise",
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        tiled_mlp: int | None = None,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,
         **kwargs: Any,

@@ -80,6 +80,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         gather_outputs: bool = True,
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        tiled_mlp: int | None = None,
         offload_activations: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,

@@ -78,6 +78,12 @@ FIELD_DOCS: dict[str, str] = {
     "activation_checkpointing": (
         "recompute each decoder layer in backward (Hugging Face ``gradient_checkpointing_enable``, non-reentrant): "
         "activations kept per layer are its input only."),
+    "tiled_mlp": (
+        "compute each decoder layer's MLP this many tokens (of a rank's shard) at a time, each chunk recomputed in "
+        "backward, so the MLP's ``[B, tokens, intermediate]`` activations never exist for the whole sequence (Note "
+        "[Tiled MLP] in :mod:`lightning_mtraining.hf.tiled_mlp`); for the longest sequences, with "
+        "``activation_checkpointing`` and ``offload_activations``. ``None`` (default): the MLP as it is. Results equal "
+        "the untiled MLP up to rounding. The loss is tiled already by ``fused_loss``."),
     "nonfinite_check": (
         "``\"raise\"`` (default): a NaN or infinite loss on any rank stops the run before backward with a "
         "``FloatingPointError`` naming where the forward first stopped being finite (the first attention layer whose "
@@ -126,6 +132,7 @@ class ContextParallelOptions:
     loss_check: Literal["raise", "warn", "off"] = "raise"
     fused_loss: bool | str = True
     activation_checkpointing: bool = False
+    tiled_mlp: int | None = None
     nonfinite_check: Literal["raise", "warn", "off"] = "raise"
     compile: bool | dict[str, Any] = False
     gather_outputs: bool = True
@@ -158,6 +165,9 @@ class ContextParallelOptions:
                 isinstance(key, str) for key in self.compile)):
             raise TypeError(f"{o}(compile=...) must be True, False or a dict of torch.compile keyword arguments, got "
                             f"{self.compile!r}")
+        if self.tiled_mlp is not None and not is_int(self.tiled_mlp):
+            raise ValueError(f"{o}(tiled_mlp=...) must be None or a positive int (tokens per chunk), got "
+                             f"{self.tiled_mlp!r}")
         for name in FSDP_ONLY:
             size = getattr(self, name)
             if not is_int(size):

@@ -191,6 +191,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         gather_outputs: bool = True,
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
+        tiled_mlp: int | None = None,
         offload_activations: bool = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,

@@ -93,11 +93,12 @@ def test_single_process_matches_reference():
 
 @pytest.mark.parametrize("options", [
     dict(fused_loss=False),
-    dict(fused_loss=True, activation_checkpointing=True, offload_activations=True),
+    dict(fused_loss=True, activation_checkpointing=True, offload_activations=True, tiled_mlp=5),
 ])
 def test_single_process_memory_options_match_reference(options):
-    """The fused loss, activation checkpointing and offload change no loss or parameter (same reference and
-    tolerances as above); one process trains the bare module, not a DDP wrapper (nothing to average)."""
+    """The fused loss, activation checkpointing, offload and the sequence-tiled MLP (13 tokens in chunks of 5, 5, 3)
+    change no loss or parameter (same reference and tolerances as above); one process trains the bare module, not a
+    DDP wrapper (nothing to average)."""
     scenario = dict(family="llama", n_samples=6, seq_len=13, steps=3, strategy=dict(block_size=4, **options))
     result = fit(1, scenario)
     check_against_reference([result], scenario)
@@ -112,6 +113,9 @@ def test_memory_options_are_checked():
         MTrainingStrategy(fused_loss="yes")
     with pytest.raises(TypeError, match=r"offload_activations=...\) must be True or False, got 1"):
         MTrainingStrategy(offload_activations=1)
+    for bad in (0, -8, 2.5, True, "64"):
+        with pytest.raises(ValueError, match=r"tiled_mlp=...\) must be None or a positive int \(tokens per chunk\)"):
+            MTrainingStrategy(tiled_mlp=bad)
 
 
 def test_bad_batch_and_model_errors():
@@ -149,11 +153,12 @@ def test_bad_batch_and_model_errors():
 
 def test_two_processes_match_single_process():
     """CP=2: Qwen2 striped (odd length 13 -> 16, padding, grad accumulation, model(**batch)) and Llama zigzag
-    with only input_ids/labels passed and the model built in configure_model."""
+    with only input_ids/labels passed, the model built in configure_model and its MLPs tiled (a rank's shard in
+    chunks of 4 tokens)."""
     run_scenarios(2, [
         dict(family="qwen2", n_samples=8, seq_len=13, steps=2, accumulate=2, strategy=dict(block_size=4)),
         dict(family="llama", call="explicit", build_in_configure=True, n_samples=6, seq_len=11, steps=3,
-             strategy=dict(layout="zigzag")),
+             strategy=dict(layout="zigzag", tiled_mlp=4)),
     ])
 
 
