@@ -169,6 +169,11 @@ def real_windows(source: str, n: int, count: int) -> "torch.Tensor":
     return torch.stack([next(stream) for _ in range(count)])
 
 
+def _offload(value: str) -> bool | int:
+    """``--offload``'s value as ``offload_activations``: "" off, "all" every layer, N the first N layers."""
+    return {"": False, "all": True}.get(value) if value in ("", "all") else int(value)
+
+
 def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     """Train ``variant`` at each length in this process; one row per length."""
     import lightning as L
@@ -269,7 +274,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
                     "sparse_topk": SparsityConfig(vertical_topk=args.topk[0], slash_topk=args.topk[1])}.get(variant)
         fused = {"mtraining_dense_plain_loss": False, "mtraining_dense_torch_loss": "torch"}.get(variant, True)
         return MTrainingStrategy(sparsity=sparsity, fused_loss=fused, nonfinite_check=args.nonfinite_check,
-                                 offload_activations=args.offload, compile=compile_kwargs if compiled else False)
+                                 offload_activations=_offload(args.offload), tiled_mlp=args.tiled_mlp or None,
+                                 compile=compile_kwargs if compiled else False)
 
     extra = 1 if args.split else 0  # the profiled step
     rows, failed = [], False
@@ -372,8 +378,11 @@ def main() -> None:
     ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                     help="profile one more step and split its device time (attention, estimation, lists, rest)")
     ap.add_argument("--plot", default="", help="PNG path for tokens/s against length")
-    ap.add_argument("--offload", action="store_true",
-                    help="mtraining variants: offload_activations=True (checkpointed layer inputs in pinned host memory)")
+    ap.add_argument("--offload", nargs="?", const="all", default="",
+                    help="mtraining variants: offload_activations: bare, every checkpointed layer input in pinned host "
+                         "memory; N, those of the first N decoder layers only")
+    ap.add_argument("--tiled-mlp", type=int, default=0,
+                    help="mtraining variants: tiled_mlp=N, each MLP N tokens at a time (0: off)")
     ap.add_argument("--nonfinite-check", default="raise", choices=("raise", "warn", "off"),
                     help="mtraining variants: the strategy's nonfinite_check (its per-layer flags and per-step check)")
     ap.add_argument("--deterministic", action="store_true",
@@ -421,7 +430,8 @@ def main() -> None:
                "--layers", str(args.layers),
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--split" if args.split else "--no-split"]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
-        cmd += ["--offload"] if args.offload else []
+        cmd += ["--offload", args.offload] if args.offload else []
+        cmd += ["--tiled-mlp", str(args.tiled_mlp)] if args.tiled_mlp else []
         cmd += ["--topk", *map(str, args.topk)]
         cmd += ["--deterministic"] if args.deterministic else []
         cmd += ["--nonfinite-check", args.nonfinite_check]

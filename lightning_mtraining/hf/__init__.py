@@ -8,6 +8,8 @@
   :mod:`.fused_loss`: the hook that computes a model's loss without its full logits.
 - :mod:`.tensor_parallel`: decoder layers split over a tensor-parallel mesh axis.
 - :mod:`.prefill`: sparse prefill for ``generate``; :mod:`.compile`: ``torch.compile`` of the decoder layers.
+- :mod:`.tiled_mlp`: the MLPs computed a chunk of tokens at a time; :mod:`.offload`: saved activations of all or
+  the first N decoder layers in host memory.
 - :mod:`.pretrained`: real models with no download at run time (a checkpoint folder, a hub id, a ``.gguf`` file, the
   packaged SmolLM2-135M), their tokenizers, and the RoPE change of context extension.
 """

@@ -122,7 +122,7 @@ def trainer_config(
     block_size: int = 128,
     sparsity: SparsityConfig | None = PAPER_SPARSITY,
     activation_checkpointing: bool = True,
-    offload_activations: bool = False,
+    offload_activations: bool | int = False,
     fsdp: bool = False,
     accelerator: str = "gpu",
     precision: str = "bf16-mixed",

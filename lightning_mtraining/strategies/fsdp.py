@@ -81,7 +81,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         tiled_mlp: int | None = None,
-        offload_activations: bool = False,
+        offload_activations: bool | int = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,
         tensor_parallel_size: int = 1,

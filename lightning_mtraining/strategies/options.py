@@ -102,10 +102,12 @@ FIELD_DOCS: dict[str, str] = {
         "holding this rank's shard of the sequence are gathered, put in global order and unpadded; see "
         ":meth:`~lightning_mtraining.strategies.common.ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards."),
     "offload_activations": (
-        "(Trainer) keep the tensors saved for backward during ``training_step`` in pinned host memory "
-        "(``torch.autograd.graph.save_on_cpu``); with ``activation_checkpointing`` these are the layers' inputs, so "
-        "GPU activation memory no longer grows with depth. Costs host-device copies each step. With Fabric, run the "
-        "forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``."),
+        "(Trainer) keep the tensors saved for backward during ``training_step`` in pinned host memory: ``True`` all "
+        "of them (like ``torch.autograd.graph.save_on_cpu``), an int N those of the first N decoder layers (and the "
+        "embeddings), the rest on the device, so the split can follow the host's memory (Note [Offloading some "
+        "layers] in :mod:`lightning_mtraining.hf.offload`). With ``activation_checkpointing`` a layer saves only its "
+        "input, so GPU activation memory no longer grows with the offloaded depth. Costs host-device copies each "
+        "step. With Fabric, run the forward under ``ActivationOffload(model, N)()``."),
     "tensor_parallel_size": (
         "(FSDP2) ranks that split each decoder layer's heads and MLP columns (torch's ``parallelize_module`` with "
         "the model's ``base_model_tp_plan``, Note [Tensor parallel attention] in "
@@ -136,7 +138,7 @@ class ContextParallelOptions:
     nonfinite_check: Literal["raise", "warn", "off"] = "raise"
     compile: bool | dict[str, Any] = False
     gather_outputs: bool = True
-    offload_activations: bool = False
+    offload_activations: bool | int = False
     tensor_parallel_size: int = 1
     data_parallel_replicate_size: int = 1
     owner: str = dataclasses.field(default="ContextParallelOptions", compare=False, repr=False)
@@ -172,7 +174,11 @@ class ContextParallelOptions:
             size = getattr(self, name)
             if not is_int(size):
                 raise ValueError(f"{o}({name}=...) must be a positive int, got {size!r}")
-        for name in ("activation_checkpointing", "gather_outputs", "offload_activations"):
+        offload = self.offload_activations
+        if not isinstance(offload, bool) and not is_int(offload):
+            raise TypeError(f"{o}(offload_activations=...) must be True, False or a number of decoder layers >= 1, "
+                            f"got {offload!r}")
+        for name in ("activation_checkpointing", "gather_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{o}({name}=...) must be True or False, got {getattr(self, name)!r}")
 

@@ -57,6 +57,7 @@ from typing_extensions import override
 from lightning_mtraining.core.errors import same_on_ranks
 from lightning_mtraining.core.rng import preserved_rng_states
 from lightning_mtraining.hf.parallel import check_sparsity_args
+from lightning_mtraining.hf.offload import ActivationOffload
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
 from lightning_mtraining.strategies.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
@@ -112,9 +113,14 @@ class TrainerStepHooks:
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.offload_activations:
+        offload = self.offload_activations
+        if offload is False:
             return super().training_step(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+        if getattr(self, "_offload", None) is None:  # the models exist by now (configure_model has run)
+            with self.same_everywhere():
+                self._offload = ActivationOffload(self.lightning_module, None if offload is True else offload,
+                                                  pin_memory=self.root_device.type == "cuda", owner=type(self).__name__)
+        with self._offload():
             return super().training_step(*args, **kwargs)
 
     @override
@@ -150,6 +156,9 @@ class TrainerStepHooks:
 
     @override
     def teardown(self) -> None:
+        if getattr(self, "_offload", None) is not None:
+            self._offload.remove()
+            self._offload = None
         self.restore_models()
         super().teardown()
 
@@ -192,7 +201,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         fused_loss: bool | str = True,
         activation_checkpointing: bool = False,
         tiled_mlp: int | None = None,
-        offload_activations: bool = False,
+        offload_activations: bool | int = False,
         nonfinite_check: Literal["raise", "warn", "off"] = "raise",
         compile: bool | dict[str, Any] = False,
         **kwargs: Any,

@@ -94,6 +94,7 @@ def test_single_process_matches_reference():
 @pytest.mark.parametrize("options", [
     dict(fused_loss=False),
     dict(fused_loss=True, activation_checkpointing=True, offload_activations=True, tiled_mlp=5),
+    dict(activation_checkpointing=True, offload_activations=1),
 ])
 def test_single_process_memory_options_match_reference(options):
     """The fused loss, activation checkpointing, offload and the sequence-tiled MLP (13 tokens in chunks of 5, 5, 3)
@@ -111,8 +112,10 @@ def test_memory_options_are_checked():
 
     with pytest.raises(TypeError, match=r"fused_loss=...\) must be True, False or a backend name .*got 'yes'"):
         MTrainingStrategy(fused_loss="yes")
-    with pytest.raises(TypeError, match=r"offload_activations=...\) must be True or False, got 1"):
-        MTrainingStrategy(offload_activations=1)
+    for bad in (0, -1, 1.5, "yes"):
+        with pytest.raises(TypeError, match=r"offload_activations=...\) must be True, False or a number of decoder "
+                                            r"layers >= 1, got"):
+            MTrainingStrategy(offload_activations=bad)
     for bad in (0, -8, 2.5, True, "64"):
         with pytest.raises(ValueError, match=r"tiled_mlp=...\) must be None or a positive int \(tokens per chunk\)"):
             MTrainingStrategy(tiled_mlp=bad)
