@@ -45,16 +45,17 @@ class RingTopology:
         return [self.source(so, si) for so in range(self.outer_size) for si in range(self.inner_size)]
 
 
-def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def group_rank_size(group: dist.ProcessGroup | None, call: str = "the call") -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (the default group when None); ``(0, 1)`` when
-    torch.distributed is not initialised and no group is given. Raises if this process is not a member."""
+    torch.distributed is not initialised and no group is given. Raises if this process is not a member, saying that
+    every rank of the group must take part in ``call``."""
     if group is None and not dist.is_initialized():
         return 0, 1
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(
             "this process is not a member of the process group passed as `group`; pass the context-parallel group "
-            "this rank's shard belongs to (every rank of it must take part in the call)"
+            f"this rank's shard belongs to (every rank of it must take part in {call})"
         )
     return rank, dist.get_world_size(group)
 

@@ -81,6 +81,7 @@ from lightning_mtraining.core.layouts import (
 )
 from lightning_mtraining.core.numerics import default_scale
 from lightning_mtraining.core.profiling import ESTIMATE, profiled
+from lightning_mtraining.core.topology import group_rank_size
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
 
@@ -93,18 +94,6 @@ _PIECE = 1024  # longest piece of consecutive keys (pieces are at least last_q -
 # --------------------------------------------------------------------------------------------------------------
 # the CP group, the local keys, the probe rows
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None and not dist.is_initialized():
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(
-            "this process is not a member of the process group passed as `group`; pass the context-parallel group "
-            "this rank's shard belongs to (every rank of it must call estimate_pattern together)"
-        )
-    return rank, dist.get_world_size(group)
 
 
 _CHECKED_GROUPS: set = set()
@@ -300,7 +289,7 @@ def _triton_block(q: torch.Tensor, n: int, n_total: int, cp_rank: int, cp_size: 
 
 
 def _resolve(q, k, group, layout, block_size, seq_len, scale, what):
-    cp_rank, cp_size = _group_rank_size(group)
+    cp_rank, cp_size = group_rank_size(group, "estimate_pattern")
     if group is None and cp_size > 1:
         group = dist.group.WORLD
     _validate_inputs(q, k, layout, block_size, cp_size, what)

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.distributed.mesh import resolve_context_parallel_size, resolve_inner_ring_size
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
@@ -148,7 +149,7 @@ def trainer_config(
     an option is one the strategy would refuse.
     """
     for name, value in (("nodes", nodes), ("devices", devices), ("context_parallel_size", context_parallel_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value):
             raise ValueError(f"trainer_config: {name} must be a positive int, got {value!r}")
     world = nodes * devices
     cp = resolve_context_parallel_size(context_parallel_size, world)
@@ -280,7 +281,7 @@ def studio_job_request(
         raise ValueError(f"studio_job_request: name must be a non-empty string (the job's name), got {name!r}")
     if not isinstance(command, str) or not command.strip():
         raise ValueError(f"studio_job_request: command must be a non-empty shell command, got {command!r}")
-    if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
+    if not is_int(num_machines):
         raise ValueError(f"studio_job_request: num_machines must be a positive int, got {num_machines!r}")
     gpus = machine_gpus(machine)
     if devices is not None and gpus is not None and devices != gpus:
