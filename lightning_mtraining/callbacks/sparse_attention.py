@@ -3,10 +3,11 @@
 The strategy's ``sparsity`` applies to every layer; this callback overrides it per layer (which layers stay dense,
 budgets per layer) and says how often to measure. Each measured training step it logs ``attention/density`` (the
 share of causal pairs the patterns allow), ``attention/imbalance`` (the ring's critical-path work over the mean
-rank's, 1.0 = balanced) and, when enabled, ``attention/recall`` (the share of attention mass the patterns keep) to
-the progress bar and every logger, plus the same per layer (``attention/density/layer_3``, ...). When the patterns
-keep nearly every pair (short sequences, spread-out attention: a sparse step then costs a dense one's plus the
-estimation), rank 0 logs that once, with what to do instead
+rank's, 1.0 = balanced), ``attention/dense_heads`` (the share of heads whose pattern kept more than
+``SparsityConfig.dense_above`` of their pairs and ran dense) and, when enabled, ``attention/recall`` (the share of
+attention mass the patterns keep) to the progress bar and every logger, plus the same per layer
+(``attention/density/layer_3``, ...). When the patterns keep nearly every pair (short sequences, spread-out
+attention: a sparse step then costs about a dense one's), rank 0 logs that once, with what to do instead
 (:meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.dense_cost_note`).
 
 :class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so models

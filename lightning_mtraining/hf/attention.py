@@ -51,7 +51,8 @@ class RingAttentionConfig:
 def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling,
                    as_op: bool = False) -> tuple[Any, float | None]:
     """What this layer's ring attention runs now: ``(None, None)`` (dense) or the forward's ``VerticalSlashPattern``
-    and the config's ``dense_above`` (a head whose pattern allows more than that share of the pairs runs dense); with ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
+    and the config's ``dense_above`` (a head whose pattern allows more than that share of the pairs runs dense);
+    with ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
 
     Sparse per the schedule (:mod:`lightning_mtraining.sparsity.schedule`): the layer's config, dense layers, the dense
     warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing

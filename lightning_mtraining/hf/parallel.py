@@ -95,8 +95,8 @@ class ContextParallel:
     ``prepared`` (those switched to ring attention: none with one CP rank and dense attention, where models keep
     their own), ``packed`` (with those, the hooks that make their attention honour packed documents,
     :class:`PackedDocuments`), ``fused`` (fused-loss hooks), ``schedule`` (the sparse attention schedule, None when
-    every layer is dense), ``pad_multiple`` (sequence padding asked by sparse tiles), ``tiled`` (the sequence-tiled MLPs,
-    :class:`~lightning_mtraining.hf.tiled_mlp.TiledMLPs`, or None).
+    every layer is dense), ``pad_multiple`` (sequence padding asked by sparse tiles), ``tiled`` (the
+    sequence-tiled MLPs, :class:`~lightning_mtraining.hf.tiled_mlp.TiledMLPs`, or None).
     """
 
     def __init__(
