@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dense-warmup-steps", type=int, default=0, help="optimizer steps trained dense before sparse")
     p.add_argument("--recall-every", type=int, default=0,
                    help="measure the patterns' attention recall every N steps (0: never; costs ~1 estimation)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer in backward (keeps only its input)")
+    p.add_argument("--tiled-mlp", type=int, default=None, metavar="N",
+                   help="each MLP N tokens of a rank's shard at a time, recomputed in backward (longest sequences)")
+    p.add_argument("--offload", nargs="?", const="all", default=None, metavar="N",
+                   help="(Trainer) saved activations in pinned host memory: bare, all of them; N, the first N layers'")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
@@ -257,7 +263,18 @@ def make_strategy(args: argparse.Namespace):
         layout=args.layout,
         block_size=args.block_size,
         sparsity=parse_sparsity(args.sparsity, dense_warmup_steps=args.dense_warmup_steps, tile_size=args.tile_size),
+        activation_checkpointing=args.activation_checkpointing,
+        tiled_mlp=args.tiled_mlp,
+        offload_activations=False if args.offload is None else True if args.offload == "all" else _layers(args.offload),
     )
+
+
+def _layers(value: str) -> int:
+    """``--offload N``: a number of decoder layers, or a clear error."""
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"--offload takes a number of decoder layers or nothing (all), got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> dict:
