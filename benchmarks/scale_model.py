@@ -59,7 +59,8 @@ Memory per GPU (planner): model states ``bytes_per_param * P`` (default 16: bf16
 master and Adam moments; ``/ W`` with FSDP) + activations ``S * act_bytes_per_token``, the per-token slope measured
 on one H100 (Qwen2.5-3B, checkpointing, bf16-true: 18.6 / 26.8 / 47.2 GiB at 32K / 64K / 128K: 0.30 MiB a token),
 scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``). With
-activation offload (``offload_activations=True``) the checkpointed inputs are counted in host memory instead (a rule,
+activation offload the checkpointed inputs of the fewest layers that make a GPU's share fit are counted in host
+memory instead (``offload_activations=N``, or ``True`` for all; within ``--host-mem-gib`` a node when given; a rule,
 not fitted to a measurement; the host-device copies are not in the step time).
 
 Planner output: the table, then the best candidate as a LightningCLI config for ``examples/cli.py`` (``plan_config``:
@@ -106,6 +107,7 @@ class Hardware:
     efficiency: float = 1.0
     compute_scale: float = 1.0
     gpu_mem_gib: float = 80.0
+    host_mem_gib: float | None = None  # host memory per node for offloaded activations (None: not a limit)
 
 
 PRESETS = {
@@ -394,18 +396,35 @@ def training_step(layer: dict, shape: ModelShape, seq_len: int, gpus: int, hw: H
 
 
 def memory_gib(shape: ModelShape, seq_len: int, gpus: int, rest: dict, bytes_per_param: float = 16.0,
-               fsdp: bool = False, offload: bool = False) -> dict:
+               fsdp: bool = False, offload: bool | int = False) -> dict:
     """Model states and activations per GPU (GiB); see the module docstring. ``offload``: the checkpointed layer
-    inputs wait in host memory (``offload_activations=True``), so they leave the GPU's share."""
+    inputs wait in host memory, of every layer (``True``, ``offload_activations=True``) or of the first N
+    (``offload_activations=N``), so they leave the GPU's share; ``host_gib`` is what they take there, per GPU."""
     s = seq_len // gpus
     states = bytes_per_param * shape.params() / (gpus if fsdp else 1)
     ckpt = lambda m: 2.0 * m.layers * m.hidden  # noqa: E731 - checkpointed layer inputs, bf16, bytes per token
+    layers = shape.layers if offload is True else int(offload)
     ref_rest = rest["act_bytes_per_token"] - ckpt(REFERENCE)
-    per_token = (0.0 if offload else ckpt(shape)) + ref_rest * (shape.ffn + shape.hidden) / (REFERENCE.ffn +
-                                                                                             REFERENCE.hidden)
+    moved = ckpt(shape) * layers / shape.layers
+    per_token = ckpt(shape) - moved + ref_rest * (shape.ffn + shape.hidden) / (REFERENCE.ffn + REFERENCE.hidden)
     act = s * per_token
     return {"states_gib": states / GIB, "activations_gib": act / GIB, "total_gib": (states + act) / GIB,
-            "offload": offload}
+            "offload": offload, "host_gib": s * moved / GIB}
+
+
+def offload_needed(shape: ModelShape, seq_len: int, gpus: int, rest: dict, hw: Hardware, per_node: int,
+                   bytes_per_param: float = 16.0, fsdp: bool = False) -> bool | int | None:
+    """The fewest decoder layers whose checkpointed inputs must wait in host memory for a GPU's share to fit
+    ``hw.gpu_mem_gib``: False when nothing needs to, True when every layer's must, N otherwise; None when even all
+    of them do not make it fit, or the host (``hw.host_mem_gib`` per node, ``per_node`` GPUs offloading) cannot hold
+    the fewest that would."""
+    for n in range(shape.layers + 1):
+        mem = memory_gib(shape, seq_len, gpus, rest, bytes_per_param, fsdp, offload=n)
+        if mem["total_gib"] <= hw.gpu_mem_gib:
+            if hw.host_mem_gib is not None and mem["host_gib"] * per_node > hw.host_mem_gib:
+                return None
+            return False if n == 0 else True if n == shape.layers else n
+    return None
 
 
 # --- the paper check ------------------------------------------------------------------------------------------------
@@ -480,7 +499,8 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
 
     Memory: every candidate trains with activation checkpointing (what the step time models: the forward is
     recomputed). One that does not fit may fit with activation offload (``offload_activations``: the checkpointed
-    layer inputs in host memory; the host-device copies are not in the step time). Order: candidates that fit
+    inputs of the fewest layers that make it fit in host memory, :func:`offload_needed`, within ``hw.host_mem_gib``;
+    the host-device copies are not in the step time). Order: candidates that fit
     without offload, then those that fit only with it (``"offload": True``), then those that fit in neither way;
     each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
     that fits a node) when it is within 1% of the fastest of the same CP size and layout. ``"memory"`` is what a
@@ -498,10 +518,11 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
         inners = sorted({d for d in range(2, cp_per_node + 1) if cp_per_node % d == 0} | {cp})
         mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp)
         fits = mem["total_gib"] <= hw.gpu_mem_gib
-        offload = not fits and memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp,
-                                          offload=True)["total_gib"] <= hw.gpu_mem_gib
+        offload = False if fits else offload_needed(shape, seq_len, cp, rest, hw, per_node,
+                                                    bytes_per_param, fsdp) or False
+        every = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=True)
         if offload:
-            mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=True)
+            mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=offload)
         for layout in ("striped", "zigzag", "contiguous"):
             for inner in inners:
                 method = "flat" if inner == cp else "hier"
@@ -510,7 +531,7 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
                 step = training_step(layer, shape, seq_len, cp, hw, rest, cp_per_node)
                 dp = gpus // cp
                 cands.append({**layer, **step, "cp": cp, "dp": dp, "tokens_per_s": dp * step["tokens_per_s"],
-                              "memory": mem, "fits": fits, "offload": offload})
+                              "memory": mem, "fits": fits, "offload": offload, "memory_offloaded": every})
     tier = lambda r: 0 if r["fits"] else 1 if r["offload"] else 2  # noqa: E731
     cands.sort(key=lambda r: (tier(r), -r["tokens_per_s"]))
     # Within 1% the model cannot tell candidates apart: prefer the inner ring the strategy picks by itself
@@ -567,17 +588,22 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
              f"{'cp':>4} {'dp':>3} {'layout':>10} {'inner':>5} {'attn fwd ms':>11} {'attn bwd ms':>11} "
              f"{'exposed comm ms':>15} {'step s':>7} {'tokens/s':>9} {'GiB/GPU':>7}"]
     for c in p["candidates"]:
-        note = "" if c["fits"] else "  (with activation offload)" if c["offload"] else "  (does not fit)"
+        note = "" if c["fits"] else f"  (offload {_offload_words(c['offload'])})" if c["offload"] else "  (does not fit)"
         lines.append(f"{c['cp']:>4} {c['dp']:>3} {c['layout']:>10} {c['inner']:>5} {c['fwd_s'] * 1e3:>11.1f} "
                      f"{c['bwd_s'] * 1e3:>11.1f} {(c['fwd_exposed_comm_s'] + c['bwd_exposed_comm_s']) * 1e3:>15.1f} "
                      f"{c['step_s']:>7.2f} {c['tokens_per_s']:>9.0f} {c['memory']['total_gib']:>7.1f}" + note)
     if b["fits"]:
         fits = "fits"
     elif b["offload"]:
-        fits = "fits with activation offload (offload_activations=True; its host-device copies are not modelled)"
+        fits = (f"fits with activation offload of {_offload_words(b['offload'])} (offload_activations="
+                f"{b['offload']}; {m['host_gib'] * per_node:.1f} GiB of host memory a node; the "
+                "host-device copies are not modelled)")
     else:
-        fits = (f"does NOT fit {hw.gpu_mem_gib:.0f} GiB, even with activation offload (nothing does: try --fsdp, more "
-                "GPUs or fewer tokens)")
+        every = b.get("memory_offloaded", m)
+        why = (f"offloading every layer's inputs leaves {every['total_gib']:.1f} GiB a GPU"
+               if every["total_gib"] > hw.gpu_mem_gib else
+               f"the offload it needs is more than {hw.host_mem_gib:.0f} GiB of host memory a node")
+        fits = f"does NOT fit {hw.gpu_mem_gib:.0f} GiB ({why}; nothing does: try --fsdp, more GPUs or fewer tokens)"
     lines += [
         f"best dense ring: context_parallel_size={d['cp']} (x {d['dp']} data-parallel), step {d['step_s']:.2f} s, "
         f"{d['tokens_per_s']:.0f} tokens/s" + ("" if d["fits"] else " (does not fit)"),
@@ -589,6 +615,10 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
         f"activations, checkpointed{', offloaded' if m.get('offload') else ''}): {fits}",
     ]
     return "\n".join(lines)
+
+
+def _offload_words(offload: bool | int) -> str:
+    return "every layer" if offload is True else f"{offload} layers"
 
 
 def _ring_words(cp: int, inner: int, per_node: int) -> str:
@@ -634,8 +664,9 @@ def plan_config(p: dict, shape_name: str, shape: ModelShape, seq_len: int, nodes
     block = 128
     common = dict(nodes=nodes, devices=per_node, context_parallel_size=b["cp"], inner_ring_size=b["inner"],
                   layout=b["layout"], block_size=block, activation_checkpointing=True,
-                  offload_activations=bool(b["offload"]), fsdp=fsdp)
-    if cpu:
+                  offload_activations=b["offload"], fsdp=fsdp)
+    if cpu:  # the tiny model has fewer layers: offload all of them where the plan offloads some
+        common["offload_activations"] = bool(b["offload"])
         trainer = trainer_config(**common, accelerator="cpu", precision="32-true", max_steps=2, limit_val_batches=0,
                                  num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                                  enable_model_summary=False)
@@ -684,7 +715,8 @@ def _hardware(args) -> Hardware:
     hw = PRESETS[args.preset]
     over = {k: v for k, v in (("nvlink_gbs", args.nvlink_gbs), ("ib_gbs", args.ib_gbs),
                               ("nvlink_latency_us", args.nvlink_latency_us), ("ib_latency_us", args.ib_latency_us),
-                              ("efficiency", args.efficiency), ("gpu_mem_gib", args.gpu_mem_gib)) if v is not None}
+                              ("efficiency", args.efficiency), ("gpu_mem_gib", args.gpu_mem_gib),
+                              ("host_mem_gib", args.host_mem_gib)) if v is not None}
     return dataclasses.replace(hw, **over)
 
 
@@ -698,6 +730,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ib-latency-us", type=float)
     ap.add_argument("--efficiency", type=float, help="achieved share of nominal link bandwidth (default 1)")
     ap.add_argument("--gpu-mem-gib", type=float)
+    ap.add_argument("--host-mem-gib", type=float,
+                    help="host memory per node for offloaded activations (default: no limit)")
     ap.add_argument("--model", default="Qwen/Qwen2.5-3B", help=f"one of {sorted(MODELS)} (a '-shape' suffix is fine)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--hidden", type=int)

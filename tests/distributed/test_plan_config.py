@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import math
 import subprocess
 import sys
 import types
@@ -159,16 +160,30 @@ def test_plan_turns_on_offload_only_where_memory_needs_it():
     # offload moves the checkpointed layer inputs (2 bytes x layers x hidden per token) to the host
     moved = 8192 * 2 * ref.layers * ref.hidden / 2**30
     assert with_ckpt["activations_gib"] - offloaded["activations_gib"] == pytest.approx(moved)
-    between = (offloaded["total_gib"] + with_ckpt["total_gib"]) / 2
-    for mem, fits, offload in ((80.0, True, False), (between, False, True), (offloaded["total_gib"] - 0.1, False,
-                                                                             False)):
-        p = sm.plan(ref, dataclasses.replace(hw, gpu_mem_gib=mem), 16384, 1, 2, costs, rest, cp_sizes=[2])
-        assert (p["best"]["fits"], p["best"]["offload"]) == (fits, offload)
+    assert offloaded["host_gib"] == pytest.approx(moved)
+    # the fewest layers that make it fit: half the moved bytes' worth of memory above "all offloaded" needs half of
+    # the layers (rounded up), all of it needs every layer
+    half = offloaded["total_gib"] + moved / 2
+    layers_for_half = math.ceil(ref.layers / 2)
+    cases = ((80.0, None, True, False), (half, None, False, layers_for_half),
+             (offloaded["total_gib"] + 1e-9, None, False, True),
+             (offloaded["total_gib"] - 0.1, None, False, False),
+             # a host too small for the layers it would take (2 GPUs a node offload): nothing fits
+             (half, 0.9 * 2 * moved / 2, False, False))
+    for mem, host, fits, offload in cases:
+        machine = dataclasses.replace(hw, gpu_mem_gib=mem, host_mem_gib=host)
+        p = sm.plan(ref, machine, 16384, 1, 2, costs, rest, cp_sizes=[2])
+        assert (p["best"]["fits"], p["best"]["offload"]) == (fits, offload), (mem, host)
         config = sm.plan_config(p, "Qwen/Qwen2.5-3B", ref, 16384, 1, 2)
         init = config["trainer"]["strategy"]["init_args"]
-        assert init["offload_activations"] is offload and init["activation_checkpointing"] is True
-        text = sm._fmt_plan(p, "Qwen/Qwen2.5-3B", dataclasses.replace(hw, gpu_mem_gib=mem), 16384, 1, 2)
-        assert ("fits with activation offload" in text) == offload
+        assert init["offload_activations"] == offload and init["activation_checkpointing"] is True
+        assert type(init["offload_activations"]) is type(offload)  # True (every layer) or a count, never 1 for True
+        if offload:
+            cpu = sm.plan_config(p, "Qwen/Qwen2.5-3B", ref, 16384, 1, 2, cpu=True)
+            assert cpu["trainer"]["strategy"]["init_args"]["offload_activations"] is True  # the tiny model: all
+        text = sm._fmt_plan(p, "Qwen/Qwen2.5-3B", machine, 16384, 1, 2)
+        assert ("fits with activation offload" in text) == bool(offload)
+        assert (f"offload_activations={offload}" in text) == bool(offload)
         assert ("does NOT fit" in text) == (not fits and not offload)
 
 
