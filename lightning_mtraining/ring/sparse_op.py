@@ -182,11 +182,11 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
 def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner_group: str, outer_group: str,
                   layout: str, block_size: int, tile_size: int, scale: float, softcap: float | None,
                   verticals: str, dense_above: float, seq_lens: list[int], validate: bool = False):
-    """What :func:`~lightning_mtraining.ring.attention.ring_attention` decides before a sparse ring, from the op's arguments:
-    the topology, positions, block op, per-step lists (None: every head's pattern allows more than ``dense_above`` of
-    its pairs and the ring runs dense, as ring_attention does; heads that do run the full pattern), estimator group and variant keywords, and the steps that compute
-    nothing (``validate``: check the pattern against the sequence and heads, one host sync; the forward does, the
-    backward gets the same pattern)."""
+    """What :func:`~lightning_mtraining.ring.attention.ring_attention` decides before a sparse ring, from the op's
+    arguments: the topology, positions, block op, per-step lists (None: every head's pattern allows more than
+    ``dense_above`` of its pairs and the ring runs dense, as ring_attention does; heads that do run the full pattern),
+    estimator group and variant keywords, and the steps that compute nothing (``validate``: check the pattern against
+    the sequence and heads, one host sync; the forward does, the backward gets the same pattern)."""
     topo = topology_by_names(group, inner_group, outer_group)
     validate_ring_inputs(q, k, v, layout, block_size, topo.cp_size)
     n = q.shape[2] * topo.cp_size

@@ -82,3 +82,29 @@ def test_tiled_mlp_without_grad_and_errors():
             apply_context_parallel(make_model("qwen2"), sparsity=None, tiled_mlp=bad)
     with pytest.raises(ValueError, match="no decoder layer of .* has an `mlp` module"):
         apply_context_parallel(model, sparsity=None, tiled_mlp=5)  # tiled already
+
+
+def test_tiled_mlp_inside_compiled_decoder_layers():
+    """``compile=True`` compiles each decoder layer with the tiled MLP in it (``fullgraph=True``: the chunk loop and
+    its checkpoints trace); float32 loss and an MLP weight's gradient as eager's untiled (1e-5: float32 rounding of
+    the compiled, chunked products)."""
+    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining.hf.compile import compile_decoder_layers
+
+    def run(tiled_mlp, compiled):
+        model = make_model("llama", seed=0)
+        apply_context_parallel(model, sparsity=None, fused_loss=False, tiled_mlp=tiled_mlp)
+        if compiled:
+            compile_decoder_layers(model, fullgraph=True)
+        x = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        return float(loss.detach()), model.model.layers[0].mlp.up_proj.weight.grad.clone()
+
+    want_loss, want_grad = run(None, False)
+    try:
+        loss, grad = run(8, True)
+    finally:
+        torch._dynamo.reset()  # leave no compiled code or raised limits to the tests after this one
+    assert abs(loss - want_loss) < 1e-5
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-5)
