@@ -501,7 +501,8 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
     recomputed). One that does not fit may fit with activation offload (``offload_activations``: the checkpointed
     inputs of the fewest layers that make it fit in host memory, :func:`offload_needed`, within ``hw.host_mem_gib``;
     the host-device copies are not in the step time). Order: candidates that fit
-    without offload, then those that fit only with it (``"offload": True``), then those that fit in neither way;
+    without offload, then those that fit only with it (``"offload"``: True for every layer, or the number of layers),
+    then those that fit in neither way;
     each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
     that fits a node) when it is within 1% of the fastest of the same CP size and layout. ``"memory"`` is what a
     candidate needs as it would run (with offload where it needs it)."""
@@ -588,7 +589,8 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
              f"{'cp':>4} {'dp':>3} {'layout':>10} {'inner':>5} {'attn fwd ms':>11} {'attn bwd ms':>11} "
              f"{'exposed comm ms':>15} {'step s':>7} {'tokens/s':>9} {'GiB/GPU':>7}"]
     for c in p["candidates"]:
-        note = "" if c["fits"] else f"  (offload {_offload_words(c['offload'])})" if c["offload"] else "  (does not fit)"
+        note = ("" if c["fits"] else f"  (offload {_offload_words(c['offload'])})" if c["offload"]
+                else "  (does not fit)")
         lines.append(f"{c['cp']:>4} {c['dp']:>3} {c['layout']:>10} {c['inner']:>5} {c['fwd_s'] * 1e3:>11.1f} "
                      f"{c['bwd_s'] * 1e3:>11.1f} {(c['fwd_exposed_comm_s'] + c['bwd_exposed_comm_s']) * 1e3:>15.1f} "
                      f"{c['step_s']:>7.2f} {c['tokens_per_s']:>9.0f} {c['memory']['total_gib']:>7.1f}" + note)

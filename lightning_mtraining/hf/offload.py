@@ -35,9 +35,10 @@ __all__ = ["ActivationOffload"]
 
 
 class ActivationOffload:
-    """Offload what autograd saves inside :meth:`__call__`'s context to host memory: everything (``layers=None``) or
-    the tensors saved before the first ``layers`` decoder layers of the Hugging Face models in ``module`` have
-    finished (Note [Offloading some layers]). :meth:`remove` takes the counting hooks off.
+    """Offload what autograd saves inside :meth:`__call__`'s context to host memory: the tensors saved before the
+    first ``layers`` decoder layers of the Hugging Face models in ``module`` have finished (Note [Offloading some
+    layers]); ``layers=None`` offloads everything, as ``torch.autograd.graph.save_on_cpu`` does (the strategies use
+    torch's for ``offload_activations=True``; this one also counts). :meth:`remove` takes the counting hooks off.
 
     ``offloaded`` counts the tensors (and ``offloaded_bytes`` their bytes) the last context sent to the host, or would
     have on the CPU, where nothing moves.

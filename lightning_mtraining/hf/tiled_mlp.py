@@ -2,19 +2,21 @@
 
 Note [Tiled MLP]
 ~~~~~~~~~~~~~~~~
-At long context the MLP, not attention, holds most of a layer's activations: a SwiGLU MLP saves its input and three
-``[B, S, intermediate]`` tensors for backward (about 16x the hidden states for the Qwen2.5-3B shape, intermediate
-11008 over hidden 2048), and under activation checkpointing the recomputed layer still materialises them for the whole
-sequence at once. An MLP acts on each token alone, so it can run along the sequence in chunks: here each chunk runs
-under ``torch.utils.checkpoint`` (non-reentrant), which keeps only the chunk's input and recomputes its intermediates
-in backward, one chunk at a time. The layer then holds the MLP's input and output for the whole sequence, and the
-intermediates of one chunk. Results equal the untiled MLP up to the rounding of the smaller matrix products (the
-same per-token arithmetic; the weight gradients are sums over chunks instead of one product).
+At long context the MLP, not attention, holds most of a layer's activations: a SwiGLU MLP saves its input and four
+``[B, S, intermediate]`` tensors for backward (the gate and up projections, the activation, their product; about 21x
+the hidden states for the Qwen2.5-3B shape, intermediate 11008 over hidden 2048), and under activation checkpointing
+the recomputed layer still materialises them for the whole sequence at once. An MLP acts on each token alone, so it
+can run along the sequence in chunks: here each chunk runs under ``torch.utils.checkpoint`` (non-reentrant), which
+keeps only the chunk's input and recomputes its intermediates in backward, one chunk at a time. The layer then holds
+the MLP's input and output for the whole sequence, and the intermediates of one chunk. Results equal the untiled MLP
+up to the rounding of the smaller matrix products (the same per-token arithmetic; the weight gradients are sums over
+chunks instead of one product).
 
 The patch sets the MLP module's ``forward`` on the instance (the state dict and the parameters are untouched, so
-checkpoints, FSDP2 and tensor parallelism see the same module); :meth:`TiledMLPs.restore` removes it. Only MLPs that
-act on each token independently may be tiled: dense MLPs and per-token mixture-of-experts routing without a
-capacity limit; the decoder layer's ``mlp`` attribute is the module patched.
+checkpoints see the same module; tiling together with FSDP2 or tensor parallelism is not tested yet);
+:meth:`TiledMLPs.restore` removes it. Only MLPs that act on each token independently may be tiled: dense MLPs and
+per-token mixture-of-experts routing without a capacity limit; the decoder layer's ``mlp`` attribute is the module
+patched.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ from typing_extensions import override
 
 from lightning_mtraining.core.errors import same_on_ranks
 from lightning_mtraining.core.rng import preserved_rng_states
-from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.hf.offload import ActivationOffload
+from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin, option_view
 from lightning_mtraining.strategies.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
@@ -116,9 +116,12 @@ class TrainerStepHooks:
         offload = self.offload_activations
         if offload is False:
             return super().training_step(*args, **kwargs)
+        if offload is True:  # everything: torch's own hooks
+            with torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+                return super().training_step(*args, **kwargs)
         if getattr(self, "_offload", None) is None:  # the models exist by now (configure_model has run)
             with self.same_everywhere():
-                self._offload = ActivationOffload(self.lightning_module, None if offload is True else offload,
+                self._offload = ActivationOffload(self.lightning_module, offload,
                                                   pin_memory=self.root_device.type == "cuda", owner=type(self).__name__)
         with self._offload():
             return super().training_step(*args, **kwargs)
