@@ -75,6 +75,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_torch_loss", "mtraining_dense_plain_loss",
             "sparse_topp", "sparse_topk")
@@ -241,9 +242,18 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             self.metrics: dict = {}
             self.prof = None
             self.split: dict[str, float] = {}
+            self.sync_log = None
+            self.sync_records: list = []
+            self.syncs: int | None = None
 
         def on_train_batch_start(self, trainer, *a):
-            if args.split and len(self.times) == args.warmup + args.steps:
+            if cuda and args.count_syncs and len(self.times) == args.warmup + args.steps:
+                # the step after the timed ones counts the host syncs (each raises a warning in this mode)
+                self.sync_log = warnings.catch_warnings(record=True)
+                self.sync_records = self.sync_log.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            if args.split and len(self.times) == args.warmup + args.steps + (1 if args.count_syncs else 0):
                 acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 self.prof = torch.profiler.profile(activities=acts)
                 self.prof.start()
@@ -255,6 +265,12 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            if self.sync_log is not None:
+                torch.cuda.set_sync_debug_mode(0)
+                self.syncs = sum("synchroniz" in str(w.message) for w in self.sync_records)
+                self.sync_log.__exit__(None, None, None)
+                self.sync_log = None
+                return
             if self.prof is not None:
                 self.prof.stop()
                 try:
@@ -277,7 +293,7 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
                                  offload_activations=_offload(args.offload), tiled_mlp=args.tiled_mlp or None,
                                  compile=compile_kwargs if compiled else False)
 
-    extra = 1 if args.split else 0  # the profiled step
+    extra = (1 if args.split else 0) + (1 if args.count_syncs and cuda else 0)  # the sync-counted, profiled steps
     rows, failed = [], False
     for n in seqlens:
         label = f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant
@@ -306,6 +322,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             timed = clock.times[args.warmup:args.warmup + args.steps]
             step = statistics.median(timed)
             row.update(status="ok", step_s=step, steps_s=timed, tokens_per_s=n / step, **clock.metrics)
+            if clock.syncs is not None:
+                row.update(syncs_per_step=clock.syncs)
             if "error" in clock.split:
                 row.update(split_error=clock.split["error"])
             elif clock.split:
@@ -391,6 +409,8 @@ def main() -> None:
                     help="sparse_topk: vertical and slash budget per head")
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="compile every decoder layer (fullgraph); both: each variant eager, then compiled")
+    ap.add_argument("--count-syncs", action="store_true",
+                    help="one more step with torch.cuda.set_sync_debug_mode('warn'): host syncs per step (syncs_per_step)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
     ap.add_argument("--pretrained", default="", help="a pretrained model instead of the Qwen2.5-3B shape: a checkpoint "
                     "folder, a .gguf file, a hub id, or 'smollm2' (real text windows in its tokens)")
@@ -435,6 +455,7 @@ def main() -> None:
         cmd += ["--topk", *map(str, args.topk)]
         cmd += ["--deterministic"] if args.deterministic else []
         cmd += ["--nonfinite-check", args.nonfinite_check]
+        cmd += ["--count-syncs"] if args.count_syncs else []
         cmd += ["--pretrained", args.pretrained] if args.pretrained else []
         cmd += ["--rope", args.rope] if args.rope else []
         t0 = time.time()

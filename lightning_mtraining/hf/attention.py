@@ -23,6 +23,7 @@ from lightning_mtraining.ring.dense_op import dense_ring_attention
 from lightning_mtraining.ring.setup import resolve_pattern
 from lightning_mtraining.ring.sparse_op import estimate_pattern_op, sparse_ring_attention
 from lightning_mtraining.sparsity.estimation import attention_recall
+from lightning_mtraining.sparsity.pattern import LayerPattern
 
 __all__ = ["ATTENTION_NAME", "CONFIG_ATTR", "RingAttentionConfig", "attention_dropout_fields", "register_attention",
            "ring_attention_forward"]
@@ -50,9 +51,11 @@ class RingAttentionConfig:
 
 def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling,
                    as_op: bool = False) -> tuple[Any, float | None]:
-    """What this layer's ring attention runs now: ``(None, None)`` (dense) or the forward's ``VerticalSlashPattern``
-    and the config's ``dense_above`` (a head whose pattern allows more than that share of the pairs runs dense);
-    with ``as_op`` (while compiling) the estimate op's ``(vertical_idx, slash_idx, tile_size)`` instead.
+    """What this layer's ring attention runs now: ``(None, None)`` (dense) or the forward's
+    :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (the pattern with its dense heads decided once, under
+    the config's ``dense_above``) and that ``dense_above``; with ``as_op`` (while compiling) the estimate op's
+    ``(vertical_idx, slash_idx, tile_size)`` instead (the sparse ring op decides the dense heads itself, exactly, so
+    its forward and backward agree).
 
     Sparse per the schedule (:mod:`lightning_mtraining.sparsity.schedule`): the layer's config, dense layers, the dense
     warm-up; a batch whose shortest real sequence is shorter than ``last_q`` probes runs dense (there is nothing
@@ -85,25 +88,26 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
             return (*estimate_pattern_op(query, key, sparsity, group=cfg.group, layout=cfg.layout,
                                          block_size=cfg.block_size, seq_len=lengths, scale=scaling,
                                          layer_idx=layer_idx, doc_start=doc_start, reuse=reuse), sparsity.tile_size)
-        return resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
-                               block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
-                               doc_start=doc_start)
+        found = resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
+                                block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
+                                doc_start=doc_start)
+        return LayerPattern.decide(found, lengths, sparsity.dense_above, n_total)
 
     if schedule is None or as_op:
         # compiled: the estimate op itself returns the forward's pattern again (by plan.forward_id) when a
         # checkpointed layer recomputes, so the forward and its recompute run one graph that saves the same tensors
         # (non-reentrant checkpointing checks that); the schedule's cache would make the recompute another graph
         return estimate(), sparsity.dense_above
-    pattern, new = schedule.pattern_for(layer_idx, estimate)
+    layer, new = schedule.pattern_for(layer_idx, estimate)
     if new and schedule.measuring:
         recall = None
         if schedule.measuring_recall:
-            recall = attention_recall(query, key, pattern, rows=schedule.recall_rows, group=cfg.group,
+            recall = attention_recall(query, key, layer.estimated, rows=schedule.recall_rows, group=cfg.group,
                                       layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling,
                                       doc_start=doc_start)
-        schedule.record(layer_idx, pattern, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
+        schedule.record(layer_idx, layer, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
                         plan.inner_size, recall, sparsity.dense_above)
-    return pattern, sparsity.dense_above
+    return layer, sparsity.dense_above
 
 
 def ring_attention_forward(

@@ -11,6 +11,7 @@ from lightning_mtraining.core.numerics import default_scale
 from lightning_mtraining.core.topology import resolve_topology
 from lightning_mtraining.ring.block_ops import BlockAttentionOp
 from lightning_mtraining.ring.setup import (
+    check_sparse_layout,
     dense_setup,
     documents_op,
     rank_positions,
@@ -23,7 +24,7 @@ from lightning_mtraining.ring.setup import (
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import RingAttentionFunction
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
+from lightning_mtraining.sparsity.pattern import LayerPattern, VerticalSlashPattern, real_lengths
 
 __all__ = ["ring_attention"]
 
@@ -36,7 +37,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "striped",
     block_size: int = 128,
-    sparsity: SparsityConfig | VerticalSlashPattern | None = None,
+    sparsity: SparsityConfig | VerticalSlashPattern | LayerPattern | None = None,
     inner_group: dist.ProcessGroup | None = None,
     outer_group: dist.ProcessGroup | None = None,
     scale: float | None = None,
@@ -59,7 +60,9 @@ def ring_attention(
         layout, block_size: how the sequence was sharded (:mod:`lightning_mtraining.core.layouts`).
         sparsity: ``None`` for dense (exact) ring attention; a :class:`SparsityConfig` to estimate the pattern
             online (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`); a :class:`VerticalSlashPattern` to use
-            as given. Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx,
+            as given; a :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (a pattern whose dense heads were
+            already decided, as the Hugging Face hook passes it) runs as decided, with no second check or decision.
+            Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx,
             block_size=p.tile_size)`` on the unsharded tensors; every shard must hold whole T x T tiles (striped:
             ``block_size`` a multiple of T).
         inner_group, outer_group: intra-node and inter-node rings for hierarchical ring attention; CP ranks
@@ -105,8 +108,10 @@ def ring_attention(
     window = window_for_length(window, q.shape[2] * topo.cp_size)  # None when longer than the sequence
     if sparsity is None or window is not None:
         d = dense_setup(q, k, v, topo, layout, block_size, scale, window, softcap, doc_start, op)
-        if topo.cp_size == 1 and hasattr(d.op, "differentiable"):
-            return d.op.differentiable(q, k, v, d.positions[0], d.positions[0], d.scale, **d.variant)
+        if topo.cp_size == 1 and hasattr(d.op, "differentiable"):  # one step: the op's own autograd, if it has one
+            out = d.op.differentiable(q, k, v, d.positions[0], d.positions[0], d.scale, **d.variant)
+            if out is not None:
+                return out
         return RingAttentionFunction.apply(q, k, v, topo, d.positions, d.op, d.scale, None, None, d.variant, d.skips)
     scale = default_scale(q.shape[-1], scale)
     n = q.shape[2] * topo.cp_size
@@ -122,12 +127,19 @@ def ring_attention(
             "besides inner_group and outer_group"
         )
     est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
-    pattern = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
-                              block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx,
-                              doc_start=given_docs)
-    if dense_above is None and isinstance(sparsity, SparsityConfig):
-        dense_above = sparsity.dense_above
-    pattern = sparse_part(pattern, real_lengths(seq_len, q.shape[0], n), dense_above, n)
+    if isinstance(sparsity, LayerPattern):  # decided once by the caller, for this forward and its recompute
+        if sparsity.seq_len != n:
+            raise ValueError(f"the LayerPattern was decided for {sparsity.seq_len} tokens, the inputs hold {n}")
+        check_sparse_layout(n, topo.cp_size, layout, block_size, sparsity.tile_size)
+        layer = sparsity
+    else:
+        found = resolve_pattern(q, k, sparsity, group=est_group, cp_size=topo.cp_size, layout=layout,
+                                block_size=block_size, seq_len=seq_len, scale=scale, layer_idx=layer_idx,
+                                doc_start=given_docs)
+        if dense_above is None and isinstance(sparsity, SparsityConfig):
+            dense_above = sparsity.dense_above
+        layer = LayerPattern.decide(found, real_lengths(seq_len, q.shape[0], n), dense_above, n)
+    pattern = layer.computed
     if pattern is None:  # every head's pattern covers so much that dense attention is cheaper
         return ring_attention(q, k, v, group=group, layout=layout, block_size=block_size, inner_group=inner_group,
                               outer_group=outer_group, scale=scale, softcap=softcap, doc_start=given_docs)

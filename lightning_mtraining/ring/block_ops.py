@@ -628,7 +628,9 @@ class FlexBlockOp:
 
 
 def default_block_op(device: torch.device) -> BlockAttentionOp:
-    """FlexAttention on CUDA, the chunked torch op elsewhere."""
-    if device.type == "cuda":
-        return FlexBlockOp()
-    return TorchBlockOp()
+    """The dense ring's op: the machine's fused causal kernel on each rank's own chunk (cuDNN on CUDA, ATen's flash
+    kernel on CPU; a ring of one rank runs ``scaled_dot_product_attention``), and on the other blocks FlexAttention
+    on CUDA, the chunked torch op elsewhere (:class:`~lightning_mtraining.ring.fused_dense.FusedDenseOp`)."""
+    from lightning_mtraining.ring.fused_dense import FusedDenseOp
+
+    return FusedDenseOp(FlexBlockOp() if device.type == "cuda" else TorchBlockOp())

@@ -139,7 +139,8 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
 
     ``verticals="gathered"``: the per-step lists hold tiles only, and the vertical columns are computed in one extra
     step against their gathered K/V (Note [Gathered verticals]); ``"arrival"``: each vertical at the step its key's
-    chunk arrives. One host sync for the pattern's list widths and one for which steps have any work."""
+    chunk arrives. One host sync for the pattern's list widths and, on more than one rank, one for which steps have
+    any work."""
     if verticals not in ("arrival", "gathered"):
         raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
     full = pattern.expand(num_heads, num_kv_heads)
@@ -149,6 +150,8 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
     # every step's lists in one builder call (one Triton launch on CUDA)
     built = step_tile_lists_batched(pt, q_pos, torch.stack([positions[src] for src in sources]), columns=not gather)
     lists = dict(zip(sources, built))
+    if len(sources) == 1 and not gather:  # one step: nothing to skip, and an empty list computes nothing anyway
+        return StepLists(lists, {sources[0]: False})
     flags = [lists_have_work(lists[src]) for src in sources]
     vert_pos = gathered = owned = None
     if gather:

@@ -144,13 +144,18 @@ def allowed_pairs(pattern: Any, seq_len: int) -> torch.Tensor:
     # NT-1 full triangles and the last tile's triangle.
     band = torch.where(u == 0, (NT - 1) * (T * (T + 1) // 2) + last * (last + 1) // 2, (NT - 1 - u) * T * T + last * T)
     tiles = (comp * band).sum(-1)
-    rows, pos = _unique_verticals(vertical, N)
+    # every vertical slot of every row at once, the padding and repeats weighted 0: no data-dependent shape, so no
+    # host sync on a GPU
+    vs = vertical.sort(-1).values  # [R, n]
+    keep = (vs >= 0) & (vs < N)
+    keep[:, 1:] &= vs[:, 1:] != vs[:, :-1]
+    pos = vs.clamp(0, N - 1)
     t = pos // T
     later = (N - (t + 1) * T).clamp(min=0)  # queries in the tiles after the vertical's own
     x = NT - 1 - t  # the largest offset with a query tile
-    covered = _offset_prefix(comp)[rows, x + 1] * T - (comp[rows, x] & (x >= 1)) * (T - last)
-    own_tile = (~comp[rows, 0]) * (torch.clamp((t + 1) * T, max=N) - pos)
-    verts = torch.zeros_like(tiles).index_add_(0, rows, later - covered + own_tile)
+    covered = _offset_prefix(comp).gather(1, x + 1) * T - (comp.gather(1, x) & (x >= 1)) * (T - last)
+    own_tile = (~comp[:, :1]) * (torch.clamp((t + 1) * T, max=N) - pos)
+    verts = ((later - covered + own_tile) * keep).sum(-1)
     return (tiles + verts).reshape(B, G)
 
 

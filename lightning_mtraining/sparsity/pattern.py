@@ -21,8 +21,8 @@ import torch
 
 from lightning_mtraining.core.checks import is_int
 
-__all__ = ["VerticalSlashPattern", "allowed_share", "check_tile_size", "dense_heads", "head_pairs", "real_lengths",
-           "sparse_part", "with_dense_heads"]
+__all__ = ["LayerPattern", "VerticalSlashPattern", "allowed_share", "check_tile_size", "decide_dense_heads",
+           "dense_heads", "head_pairs", "real_lengths", "sparse_part", "with_dense_heads"]
 
 
 def check_tile_size(tile_size: Any, owner: str) -> None:
@@ -177,11 +177,24 @@ def dense_heads(pattern: VerticalSlashPattern, lengths: list[int], dense_above: 
     """``[B, G]`` bool: the pattern heads (per batch row) that allow more than ``dense_above`` of their real sequence's
     causal pairs, which run dense attention instead (:func:`with_dense_heads`); None when ``dense_above`` is None.
     Decided per head, so the decision is the same on every rank (the pattern is), at every world size (padding does
-    not count) and under tensor parallelism (a rank holds whole heads)."""
+    not count) and under tensor parallelism (a rank holds whole heads).
+
+    Exact whatever the default dtype: the pair counts are int64 and the comparison runs in float64 (counts up to
+    2**53 are exact there, and ``dense_above * causal`` rounds the same way in every pass). A comparison in the
+    default dtype would, under ``precision="bf16-true"``, round ``dense_above * causal`` to 8 bits of mantissa in
+    the forward and not in a checkpointed layer's float32 recompute, so a head near the threshold would take another
+    path in each pass."""
     if dense_above is None:
         return None
     allowed, causal = head_pairs(pattern, lengths)
-    return allowed > dense_above * causal[:, None]
+    return decide_dense_heads(allowed, causal, dense_above)
+
+
+def decide_dense_heads(allowed: torch.Tensor, causal: torch.Tensor, dense_above: float) -> torch.Tensor:
+    """``allowed [B, G] > dense_above * causal [B]`` in float64 (exact for integer counts below 2**53), whatever the
+    default dtype: the one place a dense-or-sparse decision is computed."""
+    threshold = float(dense_above) * causal.to(torch.float64)
+    return allowed.to(torch.float64) > threshold[:, None]
 
 
 def with_dense_heads(pattern: VerticalSlashPattern, dense: torch.Tensor, seq_len: int) -> VerticalSlashPattern:
@@ -199,18 +212,69 @@ def with_dense_heads(pattern: VerticalSlashPattern, dense: torch.Tensor, seq_len
     return VerticalSlashPattern(vertical, slash, T)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPattern:
+    """What one layer's sparse attention runs in one forward, decided once (:meth:`decide`) and handed to the ring as
+    one record: the ring neither re-validates the pattern nor re-decides which heads run dense, and a checkpointed
+    layer's recompute reuses the record (Note [One pattern per forward] in :mod:`lightning_mtraining.sparsity.schedule`)
+    so the forward and the recompute take the same path by construction.
+
+    Attributes:
+        estimated: the layer's pattern as estimated or given (validated against the sequence).
+        computed: what the sparse kernels compute: ``estimated`` with the dense heads' entries replaced by the full
+            pattern (:func:`with_dense_heads`); None when every head runs dense (the ring then runs its dense op).
+        dense: ``[B, G]`` bool on the host, the heads that allow more than ``dense_above`` of their real sequence's
+            causal pairs; None when ``dense_above`` is None.
+        allowed: ``[B, G]`` int64 on the host, each head's allowed pairs over its real sequence (None without
+            ``dense_above``; the statistics reuse it).
+        causal: ``[B]`` int64 on the host, the causal pairs of each row's real sequence (None without ``dense_above``).
+        lengths: the real length of each batch row.
+        seq_len: the (padded) sequence length the pattern was validated against.
+        dense_above: the threshold the decision used.
+    """
+
+    estimated: VerticalSlashPattern
+    computed: VerticalSlashPattern | None
+    dense: torch.Tensor | None
+    allowed: torch.Tensor | None
+    causal: torch.Tensor | None
+    lengths: tuple[int, ...]
+    seq_len: int
+    dense_above: float | None
+
+    @classmethod
+    def decide(cls, pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None,
+               seq_len: int) -> LayerPattern:
+        """Decide, exactly (:func:`decide_dense_heads`), which heads of ``pattern`` run dense under ``dense_above``.
+        One host sync when ``dense_above`` is set (the per-head pair counts), none otherwise."""
+        lengths = tuple(int(x) for x in lengths)
+        if dense_above is None:
+            return cls(pattern, pattern, None, None, None, lengths, seq_len, None)
+        allowed = head_pairs(pattern, list(lengths))[0].cpu()  # the one host sync: the decision picks a code path
+        causal = torch.tensor([n * (n + 1) // 2 for n in lengths], dtype=torch.int64)
+        dense = decide_dense_heads(allowed, causal, dense_above)
+        if bool(dense.all()):
+            computed = None
+        elif bool(dense.any()):
+            computed = with_dense_heads(pattern, dense, seq_len)
+        else:
+            computed = pattern
+        return cls(pattern, computed, dense, allowed, causal, lengths, seq_len, float(dense_above))
+
+    @property
+    def all_dense(self) -> bool:
+        """Every head runs dense: the ring runs its dense op."""
+        return self.computed is None
+
+    @property
+    def tile_size(self) -> int:
+        return self.estimated.tile_size
+
+
 def sparse_part(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None,
                 seq_len: int) -> VerticalSlashPattern | None:
     """What a ring computes for ``pattern`` under ``dense_above`` (:func:`dense_heads`): None when every head runs
     dense (the ring then runs its dense op, cheaper than the sparse kernels over every tile), else the pattern with
     the dense heads' entries replaced by the full pattern (:func:`with_dense_heads`; the sparse kernels compute
-    those heads exactly and densely). One host sync when ``dense_above`` is set."""
-    mask = dense_heads(pattern, lengths, dense_above)
-    if mask is None:
-        return pattern
-    flags = mask.tolist()
-    if all(all(row) for row in flags):
-        return None
-    if any(any(row) for row in flags):
-        return with_dense_heads(pattern, mask, seq_len)
-    return pattern
+    those heads exactly and densely). One host sync when ``dense_above`` is set (:meth:`LayerPattern.decide`)."""
+    return LayerPattern.decide(pattern, lengths, dense_above, seq_len).computed

