@@ -10,12 +10,11 @@ bf16 model whose forward and recompute run under different default dtypes.
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import pytest
 import torch
-from helpers.models import VOCAB, make_model
+from helpers.dense_decision import checkpointed_step_at_threshold
 
 from lightning_mtraining.sparsity.pattern import LayerPattern, VerticalSlashPattern, dense_heads, head_pairs
 
@@ -75,59 +74,6 @@ def test_the_record_carries_the_decision():
     assert LayerPattern.decide(pattern, [4096], None, 4096).computed is pattern
 
 
-def _train_step(model, handle, x, forward_dtype):
-    torch.set_default_dtype(forward_dtype)
-    try:
-        loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
-    finally:
-        torch.set_default_dtype(torch.float32)
-    loss.backward()  # the checkpointed layers recompute here, under float32
-    return loss
-
-
-@pytest.mark.parametrize("family", ["qwen2"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_a_checkpointed_bf16_layer_at_the_threshold_takes_one_path(family, monkeypatch):
-    from lightning_mtraining import SparsityConfig, apply_context_parallel
-
-    seq = 512
-    cfg = SparsityConfig(top_p=0.9, last_q=8, sink_tokens=2, local_window=16, tile_size=16, max_vertical=8,
-                         max_slash=16, dense_above=None)
-    x = torch.randint(1, VOCAB, (1, seq), generator=torch.Generator().manual_seed(3))
-
-    def prepared(config):
-        model = make_model(family, seed=0).to(torch.bfloat16)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        return model, apply_context_parallel(model, block_size=16, sparsity=config, fused_loss=False)
-
-    # the first forward's patterns, to put dense_above exactly at a head's share
-    model, handle = prepared(cfg)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.no_grad():
-            model(**handle.shard({"input_ids": x}))
-    finally:
-        torch.set_default_dtype(torch.float32)
-    layer0 = handle.schedule._patterns[0]
-    allowed, causal = head_pairs(layer0.estimated, [seq])
-    a, c = int(allowed[0, 0]), int(causal[0])
-    # a threshold just below head 0's share (so it runs dense) where a bf16 comparison says "sparse" and a float32 one
-    # "dense": the forward and the recompute disagreed there before the decision was exact
-    candidates = [a / c * (1 - e) for e in (1e-4, 5e-4, 1e-3, 2e-3, 3e-3)]
-    thr = next(t for t in candidates if a > Fraction(t) * c and float(torch.tensor(t * c, dtype=torch.bfloat16)) >= a)
-
-    decisions = []
-    real = LayerPattern.decide.__func__
-
-    def counting(cls, *args, **kwargs):
-        decisions.append(args[2])
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(LayerPattern, "decide", classmethod(counting))
-    model, handle = prepared(dataclasses.replace(cfg, dense_above=thr))
-    loss = _train_step(model, handle, x, torch.bfloat16)
-    assert torch.isfinite(loss)
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
-    # one decision per layer and forward: the recompute reused the forward's record
-    assert len(decisions) == model.config.num_hidden_layers
-    assert handle.schedule._patterns[0].dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike
+    checkpointed_step_at_threshold(family, torch.device("cpu"), monkeypatch)

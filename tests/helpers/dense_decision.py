@@ -1,0 +1,64 @@
+"""A training step of a checkpointed bf16 model whose forward and recompute run under different default dtypes, with
+``dense_above`` put exactly at a head's share of its pairs (``tests/unit/test_dense_decision.py`` on CPU,
+``tests/gpu/test_hot_path_gpu.py`` on CUDA)."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import torch
+
+from helpers.models import VOCAB, make_model
+from lightning_mtraining.sparsity.pattern import LayerPattern, head_pairs
+
+
+def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatch, seq: int = 512, **overrides):
+    """Train one step with head 0 of layer 0 just above ``dense_above`` where a bf16 comparison would say "below";
+    assert it ran, finite, with one dense-or-sparse decision per layer (the recompute reused the forward's)."""
+    from lightning_mtraining import SparsityConfig, apply_context_parallel
+
+    cfg = SparsityConfig(top_p=0.9, last_q=8, sink_tokens=2, local_window=16, tile_size=16, max_vertical=8,
+                         max_slash=16, dense_above=None)
+    x = torch.randint(1, VOCAB, (1, seq), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def prepared(config):
+        model = make_model(family, seed=0, **overrides).to(device=device, dtype=torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return model, apply_context_parallel(model, block_size=16, sparsity=config, fused_loss=False)
+
+    # the first forward's patterns, to put dense_above exactly at a head's share
+    model, handle = prepared(cfg)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            model(**handle.shard({"input_ids": x}))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    allowed, causal = head_pairs(handle.schedule._patterns[0].estimated.to("cpu"), [seq])
+    a, c = int(allowed[0, 0]), int(causal[0])
+    # a threshold just below head 0's share (so it runs dense) where a bf16 comparison says "not above": the forward
+    # (bf16 default dtype) and the recompute (float32) disagreed there when the comparison ran in the default dtype
+    candidates = [a / c * (1 - e) for e in (1e-4, 5e-4, 1e-3, 2e-3, 3e-3)]
+    thr = next(t for t in candidates if a > Fraction(t) * c and float(torch.tensor(t * c, dtype=torch.bfloat16)) >= a)
+
+    decisions = []
+    real = LayerPattern.decide.__func__
+
+    def counting(cls, *args, **kwargs):
+        decisions.append(args[2])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(LayerPattern, "decide", classmethod(counting))
+    model, handle = prepared(dataclasses.replace(cfg, dense_above=thr))
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
+    finally:
+        torch.set_default_dtype(torch.float32)
+    loss.backward()  # the checkpointed layers recompute here, under float32
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert len(decisions) == model.config.num_hidden_layers  # the recompute reused the forward's record
+    assert handle.schedule._patterns[0].dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike
