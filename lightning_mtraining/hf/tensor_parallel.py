@@ -157,7 +157,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, dtype=torch.float32)  # not the default dtype (bf16 under bf16-true)
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)

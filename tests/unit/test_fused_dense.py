@@ -109,3 +109,30 @@ def test_dense_layers_of_the_sparse_strategy_at_one_rank_call_sdpa(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
     ref = make_model("qwen2", seed=0, attn_implementation="sdpa").double()(input_ids=x).logits
     assert (got - ref).abs().max() < 1e-10
+
+
+def test_the_cudnn_self_check_accepts_a_right_kernel_and_refuses_a_wrong_one(monkeypatch):
+    """``_cudnn_works`` (run once per device, dtype and head shape before cuDNN serves a ring step) on CPU, with ATen's
+    flash kernel standing in for cuDNN: right results pass; a log-sum-exp in the wrong base or a wrong gradient
+    fails (the op then falls back to FlexAttention, warned)."""
+    import lightning_mtraining.ring.fused_dense as fd
+
+    def forward(q, k, v, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=None,
+                                                                               scale=scale)
+        return out, lse[..., None], None, None  # cuDNN's lse carries a trailing dimension of 1
+
+    def backward(dout, q, k, v, out, lse, philox, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse[..., 0].contiguous(), 0.0, True, attn_mask=None, scale=scale)
+
+    cases = {"right": (forward, backward),
+             "lse in base 2": (lambda *a: (lambda r: (r[0], r[1] / 0.6931471805599453, *r[2:]))(forward(*a)), backward),
+             "dk off": (forward, lambda *a: (lambda g: (g[0], g[1] * 1.1, g[2]))(backward(*a)))}
+    for name, (fwd, bwd) in cases.items():
+        monkeypatch.setattr(fd, "_cudnn_forward", fwd)
+        monkeypatch.setattr(fd, "_cudnn_backward", bwd)
+        monkeypatch.setattr(fd, "_CUDNN_CHECKED", {})
+        with __import__("warnings").catch_warnings(record=True):
+            found = fd._cudnn_works(torch.device("cpu"), torch.float32, 6, 2, 32)
+        assert (found is not None) == (name == "right"), name
