@@ -14,7 +14,8 @@ Single-device kernels (one head per program row, no Python loop over tiles or he
    ``u*BN - BN < s < u*BN + BM`` (at most R + 1 offsets per slash; concurrent stores all write 1).
 2. ``_compact_kernel`` (B*H): ``comp`` -> the ascending computed offsets ``u_asc[bh, :]`` (a prefix sum per
    chunk), and the sorted verticals (``torch.sort`` beforehand) -> their unique valid values; writes both counts.
-   One host sync then reads L and the column count together.
+   One host sync then reads L and the column count together (with ``bounded`` widths: none, the widths come from
+   the pattern's shapes, :func:`mtraining_kernels.lists.list_width_bounds`).
 3. ``_fwd_lists_kernel`` (query-tile blocks, B*H): query tile m gets the key tiles t = m*R - u for the computed u in
    [m*R - Nk + 1, m*R] (a contiguous run of ``u_asc``); masked (u <= 0) ones come first because u ascends.
 4. ``_bwd_lists_kernel`` (key-tile blocks, B*H): key tile t gets the query tiles (t + u) / R where divisible and in
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 
 from mtraining_kernels.launch import Launcher
-from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists
+from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds
 
 __all__ = ["pattern_tile_lists_triton", "step_tile_lists_batched_triton", "step_tile_lists_triton"]
 
@@ -192,11 +193,13 @@ def _block_l(width: int) -> int:
 
 
 def pattern_tile_lists_triton(
-    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int
+    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int,
+    bounded: bool = False,
 ) -> TileLists:
     """The lists of :func:`mtraining_kernels.indexing.pattern_tile_lists` (patterns ``[B, H, n]``), in Triton.
 
-    Called through ``pattern_tile_lists``, which validates the arguments (tile shapes, [B, H] and devices)."""
+    Called through ``pattern_tile_lists``, which validates the arguments (tile shapes, [B, H] and devices).
+    ``bounded``: list widths from the shapes (:func:`mtraining_kernels.lists.list_width_bounds`), no host sync."""
     BM, BN = block_m, block_n
     R, S = BM // BN, seq_len
     dev = vertical_idx.device
@@ -212,14 +215,18 @@ def pattern_tile_lists_triton(
                      dict(BM=BM, BN=BN, R=R, BLOCK=256))
     u_asc = torch.full((BH, UN), BIG, dtype=i32, device=dev)
     nvw = max(triton.cdiv(n_v, COL_CHUNK), 1) * COL_CHUNK
+    if bounded:  # widths that hold any pattern of these shapes: no host sync
+        L, NC = list_width_bounds(n_s, n_v, S, BM, BN)
+        nvw = max(nvw, NC)  # (_col_bits_kernel reads NC slots of each row)
     v_uniq = torch.full((BH, nvw), S, dtype=i32, device=dev)
     counts = torch.zeros(2, BH, dtype=i32, device=dev)
     v_sorted = vertical_idx.reshape(BH, n_v).sort(-1).values if n_v else vertical_idx.reshape(BH, 0)
     if BH:
         _LAUNCH_COMPACT((BH,), (comp, u_asc, v_sorted, v_uniq, counts, UN, n_v, nvw, S, BH),
                         dict(R=R, BLOCK_U=1024, BLOCK_V=1024))
-    n_off, n_col = counts.amax(1).tolist() if BH else (0, 0)  # the one host sync
-    L, NC = max(n_off, 1), triton.cdiv(n_col, COL_CHUNK) * COL_CHUNK
+    if not bounded:
+        n_off, n_col = counts.amax(1).tolist() if BH else (0, 0)  # the one host sync
+        L, NC = max(n_off, 1), triton.cdiv(n_col, COL_CHUNK) * COL_CHUNK
     f_idx = torch.empty(B, H, Mq, L, dtype=i32, device=dev)
     f_cnt = torch.empty(B, H, Mq, dtype=i32, device=dev)
     f_nm = torch.empty_like(f_cnt)
