@@ -12,6 +12,9 @@
   reports: :mod:`mtraining_kernels.gluon_tooling`);
   ``block_forward`` / ``block_backward`` use them where they can run (``KernelConfig(forward=, dq=, dkdv=)``).
 - :mod:`mtraining_kernels.reference`: dense-masked torch references computing exactly the same pairs.
+- :mod:`mtraining_kernels.launch`: every kernel launch goes through a :class:`~mtraining_kernels.launch.Launcher`
+  (repeat launches skip the JIT's argument binding; ``record_launch_keys`` collects the launch keys). Arguments
+  that come from a pattern are never specialised, so the number of compiled kernels does not grow with the data.
 
 Importing this package does not import triton; :mod:`.vertical_slash` does.
 """

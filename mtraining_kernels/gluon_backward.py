@@ -19,6 +19,7 @@ from mtraining_kernels.gluon_common import (
     POS_MAX,
     POS_MIN,
     ROWS,
+    _LIST_ARGS,
     _bstrides,
     _desc,
     _key_side_args,
@@ -161,7 +162,7 @@ if HAS_GLUON:
             t += 1
             cnt, nmask, ncs, q_pos, lse2, delta = nxt
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=_LIST_ARGS)
     def _gl_dq_kernel(q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, DQ, Lse2, Delta, QPos, KPos, FIdx, FCnt,
                       FNm, NCS, CPos, ColBits, qk_scale, sm_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
                       sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
@@ -361,7 +362,7 @@ if HAS_GLUON:
             gl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=smask)
             t += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=_LIST_ARGS)
     def _gl_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, QPos, KPos, Lse2, Delta, BIdx, BCnt, BNm,
                         qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP, n_k, total,
                         sib, sih, sin, scb, sch, scn, snb, snh, snn, NPART, Bits, sbb, sbh, sbm, J, NC, GQ, HKVQ, BQ,

@@ -39,6 +39,19 @@ NUM_WARPS_DEFAULT = 4  # the default partition is the producer (a warpgroup: Glu
 POS_MAX = gl.constexpr(2**31 - 1) if HAS_GLUON else None  # a key past the end: never visible
 POS_MIN = gl.constexpr(-(2**31)) if HAS_GLUON else None  # a query past the end: sees nothing
 POS_MAX_INT = 2**31 - 1
+# Arguments of the Gluon kernels (and the column gather) that come from the sparse pattern, never specialised
+# (``do_not_specialize``; see :mod:`mtraining_kernels.launch`), so that one compiled kernel serves every pattern:
+# key lengths and work-item counts that follow the columns (the column dk/dv runs over NCp gathered keys, in
+# ``total`` items of ``NPART`` parts), column counts and bit words, the lists (and their placeholders, views at
+# offsets that depend on the list widths) and their strides. They only address scalar loads and one-element-per-thread
+# rows. A name a kernel does not take is ignored.
+_LIST_ARGS = [
+    "Sk", "J", "NC", "NCp", "n_k", "total", "NPART", "FIdx", "FCnt", "FNm", "NCS", "CPos", "ColBits", "BIdx", "BCnt",
+    "BNm", "Bits", "CI", "sfb", "sfh", "sfm", "scb", "sch", "scm", "scn", "snb", "snh", "snm", "snn", "sib", "sih",
+    "sin", "sbb", "sbh", "sbm",
+]
+# bit words per step of the column gather's scan for a query tile's last word (fixed: not the pattern's J)
+_GATHER_WORDS = 16
 
 if HAS_GLUON:
 
@@ -231,14 +244,15 @@ def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | Non
     return desc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIST_ARGS)
 def _gather_columns_kernel(K, V, KPos, CI, Bits, KC, VC, CPos, Steps, H, G, NC, NCp, Mq, J,
                            skb, skh, sks, svb, svh, svs, sib, sih, sin, sbb, sbh, sbm,
                            HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_J: tl.constexpr, WORDS_PER_STEP: tl.constexpr):
     """Grid (column blocks + query-tile blocks, B*H). The first cdiv(NCp, BLOCK_C) programs of a head copy
     BLOCK_C gathered key rows of K and V (and their positions; past-the-end slots: zeros, never-visible
-    position); the others compute the column steps of BLOCK_R query tiles from their bit words."""
+    position); the others compute the column steps of BLOCK_R query tiles from their bit words (BLOCK_J at a
+    time)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -259,10 +273,12 @@ def _gather_columns_kernel(K, V, KPos, CI, Bits, KC, VC, CPos, Steps, H, G, NC, 
         tl.store(CPos + bh.to(tl.int64) * NCp + offs_c, kp)
     else:
         offs_m = (pid - n_cb) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_j = tl.arange(0, BLOCK_J)
-        ok = (offs_m[:, None] < Mq) & (offs_j[None, :] < J)
-        w = tl.load(Bits + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_j[None, :], mask=ok, other=0)
-        last = tl.max(tl.where(w != 0, offs_j[None, :] + 1, 0), axis=1)  # 1 + the last word with a bit set
+        last = tl.zeros([BLOCK_R], dtype=tl.int32)  # 1 + the last word with a bit set, BLOCK_J words at a time
+        for j0 in range(0, J, BLOCK_J):
+            offs_j = j0 + tl.arange(0, BLOCK_J)
+            ok = (offs_m[:, None] < Mq) & (offs_j[None, :] < J)
+            w = tl.load(Bits + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_j[None, :], mask=ok, other=0)
+            last = tl.maximum(last, tl.max(tl.where(w != 0, offs_j[None, :] + 1, 0), axis=1))
         tl.store(Steps + bh.to(tl.int64) * Mq + offs_m, (last + WORDS_PER_STEP - 1) // WORDS_PER_STEP,
                  mask=offs_m < Mq)
 
@@ -301,7 +317,7 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
         grid = (triton.cdiv(NCp, BLOCK_C) + triton.cdiv(Mq, BLOCK_R), B * H)
         _LAUNCH_GATHER(grid, (k, v, k_pos, ci, bits, kc, vc, cpos, steps, H, H // Hkv, NC, NCp, Mq, J,
                               *_bstrides(k), *_bstrides(v), *_bstrides(ci), *_bstrides(bits)),
-                       dict(HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(max(J, 1)),
+                       dict(HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=_GATHER_WORDS,
                             WORDS_PER_STEP=block // COL_CHUNK, num_warps=4))
         return kc, vc, cpos, steps
     ci = ci.long().expand(B, H, -1)

@@ -43,6 +43,7 @@ from mtraining_kernels.gluon_common import (
     HAS_GLUON,
     LOG2E,
     ROWS,
+    _LIST_ARGS,
     _bstrides,
     _desc,
     _key_side_args,
@@ -186,7 +187,7 @@ if HAS_GLUON:
             t += 1
             cnt, nmask, ncs, q_pos = cnt_n, nmask_n, ncs_n, q_pos_n
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=_LIST_ARGS)
     def _gl_fwd_kernel(q_desc, k_desc, v_desc, ck_desc, cv_desc, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, NCS, CPos,
                        ColBits, qk_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
                        sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,

@@ -16,6 +16,12 @@ global positions ``q_pos`` / ``k_pos``. Two builders fill it:
   once per layer by :func:`prepare_pattern_tiles`) and :func:`step_tile_lists_batched` (every step of a layer).
   On CUDA the Triton builder (one kernel launch, no host sync); the torch code here is the CPU path and reference.
 
+List widths: ``widths="exact"`` (the default of :func:`pattern_tile_lists` and :func:`prepare_pattern_tiles`) reads
+the widest list and the most columns of any head back to the host (one sync) and makes the lists that wide;
+``widths="bounded"`` takes the widths from the pattern's shapes alone (:func:`list_width_bounds`: an upper bound,
+rounded to a few size classes, :func:`size_class`), with no host sync: the same valid entries, more padding.
+:func:`sorted_union` is the sync-free union of the verticals over batch rows and heads (a fixed size, padded).
+
 Lists ``fwd_*`` are query-tile-major (forward and the dq kernel): for query tile ``m`` the key tiles
 ``fwd_idx[b, h, m, :fwd_cnt]``; the first ``fwd_nmask`` of them need the token-level mask (``k_pos <= q_pos``,
 and key index < Sk), the rest are computed without any mask. Lists ``bwd_*`` are the same set of tile pairs,
@@ -39,9 +45,9 @@ valid slash offsets of that head. Tile (query tile m, key tile t) has offset u =
 
 Cost (single device): O(B*H*(Mq*L + Nk*L + NC*L + Mq*J)) elementwise work and small sorts, L = number of
 computed tile offsets; for realistic patterns (local window + a few bands) L << Mq. The [B, H, tiles, L] lists
-are int32; one host sync reads the list width L and the gathered-column count. On CUDA the Triton builder
-(:mod:`mtraining_kernels.list_builder`) makes the same lists in one launch; the torch builder's ~190 small ops are
-launch-bound there (``benchmarks/list_builder_bench.py`` compares them).
+are int32; one host sync reads the list width L and the gathered-column count (none with bounded widths). On CUDA
+the Triton builder (:mod:`mtraining_kernels.list_builder`) makes the same lists in five launches; the torch
+builder's ~190 small ops are launch-bound there (``benchmarks/list_builder_bench.py`` compares them).
 """
 
 from __future__ import annotations
@@ -50,16 +56,24 @@ import dataclasses
 
 import torch
 
-from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists
+from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds, size_class
 
 __all__ = [
     "COL_CHUNK", "PatternTiles", "TileLists", "check_tile_aligned", "computed_tile_offsets", "dense_tile_lists",
-    "expand_pattern", "lists_have_work", "pattern_tile_lists", "prepare_pattern_tiles", "step_tile_lists",
-    "step_tile_lists_batched",
+    "expand_pattern", "list_width_bounds", "lists_have_work", "pattern_tile_lists", "prepare_pattern_tiles",
+    "size_class", "sorted_union", "step_tile_lists", "step_tile_lists_batched",
 ]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _check_widths(widths: str) -> bool:
+    """Whether a builder's ``widths`` argument asks for the bounded (sync-free) list widths."""
+    if widths not in ("exact", "bounded"):
+        raise ValueError(f"widths={widths!r}; expected 'exact' (one host sync reads the widths) or 'bounded' "
+                         "(widths from the pattern's shapes, no host sync)")
+    return widths == "bounded"
 
 
 def _tile_bounds(pos: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,6 +175,7 @@ def pattern_tile_lists(
     block_m: int = 64,
     block_n: int | None = None,
     backend: str = "auto",
+    widths: str = "exact",
 ) -> TileLists:
     """Lists for a vertical-slash pattern on one device (positions 0..S-1); patterns ``[B, H, n]`` per head.
 
@@ -171,8 +186,13 @@ def pattern_tile_lists(
     ``backend``: ``"triton"`` (:mod:`mtraining_kernels.list_builder`: five kernel launches), ``"torch"`` (this
     module's ~190 torch ops; the reference the Triton builder is tested against), or ``"auto"``: Triton on CUDA
     tensors, torch elsewhere. Both give the same valid list entries, counts and column bits.
+
+    ``widths``: ``"exact"`` (one host sync reads the widest list and the most columns of any head, and the lists
+    are that wide) or ``"bounded"`` (no host sync: widths from the pattern's shapes, :func:`list_width_bounds`, wider
+    than needed and from a few size classes; the same valid entries, counts and bits, the extra slots padding).
     """
     use_triton = _use_triton(backend, vertical_idx)
+    bounded = _check_widths(widths)
     BM = block_m
     BN = block_m if block_n is None else block_n
     if BM % BN:
@@ -186,7 +206,7 @@ def pattern_tile_lists(
     if use_triton:
         from mtraining_kernels.list_builder import pattern_tile_lists_triton
 
-        return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, BM, BN)
+        return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, BM, BN, bounded)
     r, S = BM // BN, seq_len
     dev = vertical_idx.device
     B, H = vertical_idx.shape[:2]
@@ -196,16 +216,17 @@ def pattern_tile_lists(
     comp = computed_tile_offsets(slash_idx, S, BM, BN)
     big = Nk + r  # larger than any offset
     u_all = torch.arange(-(r - 1), Nk, device=dev, dtype=i32)
-    # the one host sync: list width L (computed offsets) and the gathered-column count, read together
     v = vertical_idx.to(torch.int64)
     vs, nv = _sorted_unique(v, (v >= 0) & (v < S), S)
-    if comp.numel() and nv.numel():
+    if bounded:  # no sync: widths that hold any pattern of these shapes
+        n_off, n_col = list_width_bounds(slash_idx.shape[-1], vertical_idx.shape[-1], S, BM, BN)
+    elif comp.numel() and nv.numel():  # the one host sync: list width (computed offsets) and column count together
         n_off, n_col = torch.stack([comp.sum(-1).max(), nv.max()]).tolist()
     else:
         n_off = int(comp.sum(-1).max()) if comp.numel() else 0
         n_col = int(nv.max()) if nv.numel() else 0
     L = max(n_off, 1)
-    u_asc = torch.where(comp, u_all, big).sort(-1).values[..., :L].contiguous()  # [B, H, L]
+    u_asc = torch.where(comp, u_all, big).sort(-1).values[..., :L].contiguous()  # [B, H, L] (L <= UN)
     # query-major: key tile t = m*r - u for u in [m*r - Nk + 1, m*r] (all u but for the last query tile)
     mr = torch.arange(Mq, device=dev, dtype=i32) * r
     first = torch.searchsorted(u_asc, (mr - Nk + 1).expand(B, H, Mq).contiguous())
@@ -267,18 +288,57 @@ def pattern_tile_lists(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def prepare_pattern_tiles(vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, tile: int) -> PatternTiles:
-    """Computed tile offsets and unique verticals of a pattern ``[B, H, n]`` on a sequence of ``seq_len`` tokens."""
+def prepare_pattern_tiles(vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, tile: int,
+                          widths: str = "exact") -> PatternTiles:
+    """Computed tile offsets and unique verticals of a pattern ``[B, H, n]`` on a sequence of ``seq_len`` tokens.
+
+    ``widths``: ``"exact"`` (one host sync reads the most offsets and verticals of any head; the rows are that wide)
+    or ``"bounded"`` (no host sync: widths from the pattern's shapes, :func:`list_width_bounds` with square tiles,
+    so from a few size classes; the same valid entries, more ``big`` padding). The step lists built from either
+    (:func:`step_tile_lists`) hold the same valid entries, counts and column bits, the bounded ones more padding.
+    """
+    bounded = _check_widths(widths)
     comp = computed_tile_offsets(slash_idx, seq_len, tile, tile)  # [B, H, NT]
     B, H, NT = comp.shape
     big = max(seq_len, NT) + 1
     v = vertical_idx.to(torch.int64)
     vs, nv = _sorted_unique(v, (v >= 0) & (v < seq_len), big)
-    n_off, n_col = (torch.stack([comp.sum(-1).max(), nv.max()]).tolist() if comp.numel() and nv.numel()
-                    else (int(comp.sum(-1).max()) if comp.numel() else 0, int(nv.max()) if nv.numel() else 0))
+    if bounded:
+        n_off, n_col = list_width_bounds(slash_idx.shape[-1], vertical_idx.shape[-1], seq_len, tile, tile)
+    elif comp.numel() and nv.numel():
+        n_off, n_col = torch.stack([comp.sum(-1).max(), nv.max()]).tolist()
+    else:
+        n_off = int(comp.sum(-1).max()) if comp.numel() else 0
+        n_col = int(nv.max()) if nv.numel() else 0
+    if vs.shape[-1] < n_col:
+        vs = torch.cat([vs, vs.new_full((B, H, n_col - vs.shape[-1]), big)], -1)
     u = torch.arange(NT, device=comp.device)
     offsets = torch.where(comp, u, big).sort(-1).values[..., : max(n_off, 1)].contiguous()
     return PatternTiles(tile, offsets, vs[..., :n_col].contiguous(), big)
+
+
+def sorted_union(values: torch.Tensor, big: int, size: int | None = None, fill: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct entries in ``[0, big)`` of ``values`` (any shape, e.g. the verticals ``[B, H, NV]`` of
+    :class:`PatternTiles`, padded with ``big``), ascending, in a tensor of a fixed ``size``, without a host sync:
+    ``(union [size] int64, count 0-dim int64)``; ``union[:count]`` are the entries, the rest ``fill`` (default
+    ``big``: larger than every entry, so the union stays non-decreasing, and as a key position no query sees it).
+
+    ``size`` must be at least the count; the default, ``size_class(values.numel(), 64, big)``, is an upper bound (at
+    most ``values.numel()`` entries, at most ``big`` distinct ones) from a few size classes. The sync-free form of
+    ``torch.unique(values[(values >= 0) & (values < big)])``."""
+    flat = values.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    if size is None:
+        size = size_class(n, 64, big)
+    flat = torch.where((flat >= 0) & (flat < big), flat, big)
+    xs, count = _sorted_unique(flat, flat < big, big)
+    if n < size:
+        xs = torch.cat([xs, xs.new_full((size - n,), big)])
+    xs = xs[:size]
+    if fill is not None and fill != big:
+        xs = torch.where(xs < big, xs, fill)
+    return xs.contiguous(), count
 
 
 def check_tile_aligned(pos: torch.Tensor, tile: int) -> bool:

@@ -14,7 +14,8 @@ Single-device kernels (one head per program row, no Python loop over tiles or he
    ``u*BN - BN < s < u*BN + BM`` (at most R + 1 offsets per slash; concurrent stores all write 1).
 2. ``_compact_kernel`` (B*H): ``comp`` -> the ascending computed offsets ``u_asc[bh, :]`` (a prefix sum per
    chunk), and the sorted verticals (``torch.sort`` beforehand) -> their unique valid values; writes both counts.
-   One host sync then reads L and the column count together.
+   One host sync then reads L and the column count together (with ``bounded`` widths: none, the widths come from
+   the pattern's shapes, :func:`mtraining_kernels.lists.list_width_bounds`).
 3. ``_fwd_lists_kernel`` (query-tile blocks, B*H): query tile m gets the key tiles t = m*R - u for the computed u in
    [m*R - Nk + 1, m*R] (a contiguous run of ``u_asc``); masked (u <= 0) ones come first because u ascends.
 4. ``_bwd_lists_kernel`` (key-tile blocks, B*H): key tile t gets the query tiles (t + u) / R where divisible and in
@@ -51,12 +52,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists
+from mtraining_kernels.launch import Launcher
+from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds
 
 __all__ = ["pattern_tile_lists_triton", "step_tile_lists_batched_triton", "step_tile_lists_triton"]
 
 
-@triton.jit
+# Launch keys (mtraining_kernels.launch): the integers these kernels take (counts, list widths and the strides they
+# make, sequence sizes) and the tensors they read that may be views at any offset (the pattern, positions, the lists
+# of one ring step) are not specialised, and the block sizes are fixed or one of two (``_block_l``), so the same
+# few compiled kernels serve every pattern. Their loads are gathers and short rows, which specialisation would not
+# vectorise anyway. The buffers they allocate themselves are always 16-byte aligned.
+@triton.jit(do_not_specialize=["Slash", "n_s", "S", "Nk", "UN"])
 def _mark_kernel(Slash, Comp, n_s, S, Nk, UN, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr,
                  BLOCK: tl.constexpr):
     bh = tl.program_id(0)
@@ -73,7 +80,7 @@ def _mark_kernel(Slash, Comp, n_s, S, Nk, UN, BM: tl.constexpr, BN: tl.constexpr
         tl.store(Comp + bh * UN + u + (R - 1), one, mask=ok & (u <= hi) & (u <= Nk - 1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["VSort", "UN", "n_v", "NVW", "S", "BH"])
 def _compact_kernel(Comp, UAsc, VSort, VUniq, Counts, UN, n_v, NVW, S, BH, R: tl.constexpr,
                     BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr):
     bh = tl.program_id(0)
@@ -98,7 +105,7 @@ def _compact_kernel(Comp, UAsc, VSort, VUniq, Counts, UN, n_v, NVW, S, BH, R: tl
     tl.store(Counts + BH + bh, n_col)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "UN", "Mq", "Nk", "BIG"])
 def _fwd_lists_kernel(UAsc, FIdx, FCnt, FNm, L, UN, Mq, Nk, BIG, R: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_L: tl.constexpr):
     bh = tl.program_id(1)
@@ -129,7 +136,7 @@ def _fwd_lists_kernel(UAsc, FIdx, FCnt, FNm, L, UN, Mq, Nk, BIG, R: tl.constexpr
         tl.store(FIdx + row[:, None] + sl[None, :], t, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "UN", "Mq", "Nk", "BIG"])
 def _bwd_lists_kernel(UAsc, BIdx, BCnt, BNm, L, UN, Mq, Nk, BIG, R: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_L: tl.constexpr):
     bh = tl.program_id(1)
@@ -154,7 +161,7 @@ def _bwd_lists_kernel(UAsc, BIdx, BCnt, BNm, L, UN, Mq, Nk, BIG, R: tl.constexpr
     tl.store(BNm + bh * Nk + t, nm, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NVW", "UN", "NC", "J", "Mq", "S"])
 def _col_bits_kernel(VUniq, Comp, ColIdx, ColBits, NVW, UN, NC, J, Mq, S, BM: tl.constexpr, BN: tl.constexpr,
                      R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     j = tl.program_id(1)
@@ -175,12 +182,24 @@ def _col_bits_kernel(VUniq, Comp, ColIdx, ColBits, NVW, UN, NC, J, Mq, S, BM: tl
         tl.store(ColIdx + bh * NC + j * BLOCK_C + i, tl.where(valid, c, 0))
 
 
+_LAUNCH_MARK, _LAUNCH_COMPACT, _LAUNCH_FWD, _LAUNCH_BWD, _LAUNCH_BITS = (
+    Launcher(fn) for fn in (_mark_kernel, _compact_kernel, _fwd_lists_kernel, _bwd_lists_kernel, _col_bits_kernel))
+
+
+def _block_l(width: int) -> int:
+    """List slots per step of the loops over a list of ``width`` offsets: one of two fixed sizes (a size per width
+    would compile a kernel per width class); the lists do not depend on it."""
+    return 16 if width <= 16 else 64
+
+
 def pattern_tile_lists_triton(
-    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int
+    vertical_idx: torch.Tensor, slash_idx: torch.Tensor, seq_len: int, block_m: int, block_n: int,
+    bounded: bool = False,
 ) -> TileLists:
     """The lists of :func:`mtraining_kernels.indexing.pattern_tile_lists` (patterns ``[B, H, n]``), in Triton.
 
-    Called through ``pattern_tile_lists``, which validates the arguments (tile shapes, [B, H] and devices)."""
+    Called through ``pattern_tile_lists``, which validates the arguments (tile shapes, [B, H] and devices).
+    ``bounded``: list widths from the shapes (:func:`mtraining_kernels.lists.list_width_bounds`), no host sync."""
     BM, BN = block_m, block_n
     R, S = BM // BN, seq_len
     dev = vertical_idx.device
@@ -192,40 +211,40 @@ def pattern_tile_lists_triton(
     n_s, n_v = slash_idx.shape[-1], vertical_idx.shape[-1]
     comp = torch.zeros(BH, UN, dtype=i32, device=dev)
     if n_s and BH:
-        _mark_kernel[(BH, triton.cdiv(n_s, 256))](slash_idx.contiguous(), comp, n_s, S, Nk, UN, BM=BM, BN=BN, R=R,
-                                                  BLOCK=256)
+        _LAUNCH_MARK((BH, triton.cdiv(n_s, 256)), (slash_idx.contiguous(), comp, n_s, S, Nk, UN),
+                     dict(BM=BM, BN=BN, R=R, BLOCK=256))
     u_asc = torch.full((BH, UN), BIG, dtype=i32, device=dev)
     nvw = max(triton.cdiv(n_v, COL_CHUNK), 1) * COL_CHUNK
+    if bounded:  # widths that hold any pattern of these shapes: no host sync
+        L, NC = list_width_bounds(n_s, n_v, S, BM, BN)
+        nvw = max(nvw, NC)  # (_col_bits_kernel reads NC slots of each row)
     v_uniq = torch.full((BH, nvw), S, dtype=i32, device=dev)
     counts = torch.zeros(2, BH, dtype=i32, device=dev)
     v_sorted = vertical_idx.reshape(BH, n_v).sort(-1).values if n_v else vertical_idx.reshape(BH, 0)
     if BH:
-        _compact_kernel[(BH,)](comp, u_asc, v_sorted, v_uniq, counts, UN, n_v, nvw, S, BH, R=R,
-                               BLOCK_U=1024, BLOCK_V=1024)
-        n_off, n_col = counts.amax(1).tolist()  # the one host sync
-    else:
-        n_off = n_col = 0
-    L = max(n_off, 1)
+        _LAUNCH_COMPACT((BH,), (comp, u_asc, v_sorted, v_uniq, counts, UN, n_v, nvw, S, BH),
+                        dict(R=R, BLOCK_U=1024, BLOCK_V=1024))
+    if not bounded:
+        n_off, n_col = counts.amax(1).tolist() if BH else (0, 0)  # the one host sync
+        L, NC = max(n_off, 1), triton.cdiv(n_col, COL_CHUNK) * COL_CHUNK
     f_idx = torch.empty(B, H, Mq, L, dtype=i32, device=dev)
     f_cnt = torch.empty(B, H, Mq, dtype=i32, device=dev)
     f_nm = torch.empty_like(f_cnt)
     b_idx = torch.zeros(B, H, Nk, L, dtype=i32, device=dev)
     b_cnt = torch.empty(B, H, Nk, dtype=i32, device=dev)
     b_nm = torch.empty_like(b_cnt)
-    block_l = min(triton.next_power_of_2(L), 64)
     if BH:
-        _fwd_lists_kernel[(triton.cdiv(Mq, 32), BH)](u_asc, f_idx, f_cnt, f_nm, L, UN, Mq, Nk, BIG, R=R, BLOCK_M=32,
-                                                     BLOCK_L=block_l)
-        _bwd_lists_kernel[(triton.cdiv(Nk, 32), BH)](u_asc, b_idx, b_cnt, b_nm, L, UN, Mq, Nk, BIG, R=R, BLOCK_T=32,
-                                                     BLOCK_L=block_l)
-    NC = triton.cdiv(n_col, COL_CHUNK) * COL_CHUNK
+        _LAUNCH_FWD((triton.cdiv(Mq, 32), BH), (u_asc, f_idx, f_cnt, f_nm, L, UN, Mq, Nk, BIG),
+                    dict(R=R, BLOCK_M=32, BLOCK_L=_block_l(L)))
+        _LAUNCH_BWD((triton.cdiv(Nk, 32), BH), (u_asc, b_idx, b_cnt, b_nm, L, UN, Mq, Nk, BIG),
+                    dict(R=R, BLOCK_T=32, BLOCK_L=_block_l(L)))
     col_idx = col_bits = None
     if NC > 0:
         J = NC // COL_CHUNK
         col_idx = torch.empty(B, H, NC, dtype=i32, device=dev)
         col_bits = torch.empty(B, H, Mq, J, dtype=torch.int64, device=dev)
-        _col_bits_kernel[(triton.cdiv(Mq, 32), J, BH)](v_uniq, comp, col_idx, col_bits, nvw, UN, NC, J, Mq, S, BM=BM,
-                                                       BN=BN, R=R, BLOCK_M=32, BLOCK_C=COL_CHUNK)
+        _LAUNCH_BITS((triton.cdiv(Mq, 32), J, BH), (v_uniq, comp, col_idx, col_bits, nvw, UN, NC, J, Mq, S),
+                     dict(BM=BM, BN=BN, R=R, BLOCK_M=32, BLOCK_C=COL_CHUNK))
     return TileLists(BM, BN, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm, col_idx, col_bits)
 
 
@@ -339,7 +358,9 @@ def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, N
         tl.store(ColIdx + slot, tl.zeros([CHUNK], dtype=tl.int32), mask=first & (slot >= n0) & (slot < NC))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["QPos", "KPos", "U", "V", "FIdx", "FCnt", "FNm", "BIdx", "BCnt", "BNm", "ColIdx",
+                               "ColBits", "Mq", "Nk", "Sk", "L", "NV", "NC", "J", "BIG", "BH", "n_col", "n_fwd",
+                               "top_q", "it_q", "top_k", "it_k", "top_s", "it_s", "top_u", "it_u"])
 def _step_lists_kernel(QPos, KPos, U, V, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColIdx, ColBits,
                        Mq, Nk, Sk, L, NV, NC, J, BIG, BH, n_col, n_fwd, top_q, it_q, top_k, it_k, top_s, it_s,
                        top_u, it_u,
@@ -364,6 +385,9 @@ def _step_lists_kernel(QPos, KPos, U, V, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColId
             else:
                 _step_rows(KRow, QPos, URow, BIdx + sbh * Nk * L, BCnt + sbh * Nk, BNm + sbh * Nk, blk - n_fwd, Nk,
                            Mq, L, BIG, top_q, it_q, 1, T, BLOCK_M, BLOCK_L)
+
+
+_LAUNCH_STEPS = Launcher(_step_lists_kernel)
 
 
 def _search_steps(n: int) -> tuple[int, int]:
@@ -413,14 +437,16 @@ def step_tile_lists_batched_triton(pt: PatternTiles, q_pos: torch.Tensor, k_pos_
     n_prog = n_col + (n_blk_m + n_blk_k if tiles else 0)
     if n_prog and BH and W:
         dummy = q_pos  # stands in for the outputs a launch does not write (never dereferenced)
-        _step_lists_kernel[(n_prog, BH, W)](
-            q_pos, k_pos_steps, U, V if NV else dummy,
-            *((f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm) if tiles else (dummy,) * 6),
-            *((col_idx, col_bits) if do_cols else (dummy,) * 2),
-            Mq, Nk, Sk, L, NV, NC, J, pt.big, BH, n_col, n_blk_m,
-            *_search_steps(Mq), *_search_steps(Nk), *_search_steps(Sk), *_search_steps(L),
-            T=T, TILES=tiles, COLUMNS=do_cols, BLOCK_M=BLOCK_M, BLOCK_L=min(triton.next_power_of_2(L), 64),
-            CHUNK=COL_CHUNK, BLOCK_J=min(triton.next_power_of_2(max(J, 1)), 64),
+        _LAUNCH_STEPS(
+            (n_prog, BH, W),
+            (q_pos, k_pos_steps, U, V if NV else dummy,
+             *((f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm) if tiles else (dummy,) * 6),
+             *((col_idx, col_bits) if do_cols else (dummy,) * 2),
+             Mq, Nk, Sk, L, NV, NC, J, pt.big, BH, n_col, n_blk_m,
+             *_search_steps(Mq), *_search_steps(Nk), *_search_steps(Sk), *_search_steps(L)),
+            # (BLOCK_L only matters for the tile rows: fixed without them)
+            dict(T=T, TILES=tiles, COLUMNS=do_cols, BLOCK_M=BLOCK_M, BLOCK_L=_block_l(L) if tiles else 16,
+                 CHUNK=COL_CHUNK, BLOCK_J=16),
         )
     return [
         TileLists(T, T, f_idx[s], f_cnt[s], f_nm[s], b_idx[s], b_cnt[s], b_nm[s],

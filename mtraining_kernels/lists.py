@@ -10,9 +10,32 @@ import dataclasses
 
 import torch
 
-__all__ = ["COL_CHUNK", "PatternTiles", "TileLists"]
+__all__ = ["COL_CHUNK", "PatternTiles", "TileLists", "list_width_bounds", "size_class"]
 
 COL_CHUNK = 64  # gathered columns per kernel step; one int64 of bits per (query tile, chunk)
+
+
+def size_class(n: int, floor: int = 16, cap: int | None = None) -> int:
+    """``n`` rounded up to a power of two, at least ``floor`` and at most ``cap`` (0 stays 0): a size from a few
+    classes, for buffers sized by an upper bound (the list widths of ``widths="bounded"``), so that their shapes,
+    and what the allocator and torch.compile see, take few values."""
+    if n <= 0:
+        return 0
+    c = max(floor, 1 << (n - 1).bit_length())
+    return c if cap is None else min(c, cap)
+
+
+def list_width_bounds(n_slash: int, n_vert: int, seq_len: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """``(L, NC)``: a list width (computed tile offsets per head) and a gathered-column width (a multiple of
+    ``COL_CHUNK``) that hold the lists of every pattern ``[B, H, n_slash]`` / ``[B, H, n_vert]`` on ``seq_len``
+    tokens with ``block_m`` x ``block_n`` tiles, from these shapes alone (no host sync), as size classes.
+
+    A slash s crosses the tile offsets u with u*BN - BN < s < u*BN + BM: at most r + 1 of them (r = BM / BN), out of
+    the Nk + r - 1 offsets there are; the distinct valid verticals are at most n_vert and at most seq_len."""
+    r = block_m // block_n
+    n_offsets = -(-seq_len // block_n) + r - 1
+    L = max(size_class((r + 1) * n_slash, 16, n_offsets), 1)
+    return L, size_class(min(n_vert, seq_len), COL_CHUNK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +78,7 @@ class TileLists:
 
 @dataclasses.dataclass(frozen=True)
 class PatternTiles:
-    """A global pattern prepared for per-step lists (built once per layer, one host sync).
+    """A global pattern prepared for per-step lists (built once per layer; one host sync, none with bounded widths).
 
     Per ``[B, H]`` row: ``offsets`` the ascending computed tile offsets u >= 0 (global tile diagonals, see the module
     docstring, square tiles of ``tile``), ``verticals`` the sorted unique vertical positions; both padded with

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mtraining_kernels.launch import Launcher
+
 __all__ = ["blocks_are_runs", "probe_lse", "probe_scores"]
 
 LOG2E = 1.4426950408889634
@@ -141,6 +143,12 @@ def _scores_kernel(Q, K, Pos, RowsPos, Lse2, Vert, Slash,
         _emit(total, Vert, Slash, kvh, b, G, S, N, kidx, kok, off0, NP, BK, CP)
 
 
+# Launch keys (mtraining_kernels.launch): every argument comes from the model's shapes and the sequence (nothing from
+# a pattern), so the JIT's default specialisation stays: the key strides (a unit last stride) let the K tiles load as
+# vectors.
+_LAUNCH_LSE, _LAUNCH_SCORES = Launcher(_lse_kernel), Launcher(_scores_kernel)
+
+
 def blocks_are_runs(pos: torch.Tensor, block: int) -> bool:
     """Whether every block of ``block`` consecutive entries of ``pos`` (host int tensor) is a run of consecutive
     integers (the last block may be partial)."""
@@ -173,10 +181,9 @@ def probe_lse(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos
     c = _shape_consts(q_rows, block)
     mx = torch.empty(B, H, nch, c["NP"], dtype=torch.float32, device=q_rows.device)
     sm = torch.empty_like(mx)
-    _lse_kernel[(nch, B * Hkv)](
-        q_rows, k, pos, rows_pos, mx, sm, S, n, Hkv, nch, *q_rows.stride(), *k.stride(), scale * LOG2E,
-        HPG=H // Hkv, BLOCKS=per, num_warps=4, **c,
-    )
+    _LAUNCH_LSE((nch, B * Hkv),
+                (q_rows, k, pos, rows_pos, mx, sm, S, n, Hkv, nch, *q_rows.stride(), *k.stride(), scale * LOG2E),
+                dict(HPG=H // Hkv, BLOCKS=per, num_warps=4, **c))
     mx, sm = mx[..., :n], sm[..., :n]
     top = mx.amax(2)  # [B, H, n]
     top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -202,9 +209,8 @@ def probe_scores(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_
     vert = torch.empty(B, G, S, dtype=torch.float32, device=q_rows.device)
     slash = torch.zeros(B, G, n_total, dtype=torch.float32, device=q_rows.device)
     lse2 = (lse.to(torch.float32) * LOG2E).contiguous()
-    _scores_kernel[(triton.cdiv(S, block), B * Hkv)](
-        q_rows, k, pos, rows_pos, lse2, vert, slash, S, n_total, n, H, Hkv, G,
-        *q_rows.stride(), *k.stride(), scale * LOG2E,
-        HPG=H // Hkv, CP=cp, KV_SUM=kv_sum, num_warps=4, **c,
-    )
+    _LAUNCH_SCORES((triton.cdiv(S, block), B * Hkv),
+                   (q_rows, k, pos, rows_pos, lse2, vert, slash, S, n_total, n, H, Hkv, G, *q_rows.stride(),
+                    *k.stride(), scale * LOG2E),
+                   dict(HPG=H // Hkv, CP=cp, KV_SUM=kv_sum, num_warps=4, **c))
     return vert, slash

@@ -32,10 +32,12 @@ from mtraining_kernels.indexing import COL_CHUNK, TileLists
 from mtraining_kernels.launch import Launcher
 from mtraining_kernels.triton_common import (
     CHUNK,
+    COL_WORDS,
     LOG2E,
     LOG2E_C,
     POS_MAX,
     POS_MIN,
+    _LIST_ARGS,
     _bstrides,
     _cap2,
     _col_args,
@@ -153,7 +155,7 @@ def _bwd_preprocess_kernel(
              mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIST_ARGS)
 def _vs_bwd_dq_kernel(
     Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
@@ -208,7 +210,7 @@ def _vs_bwd_dq_kernel(
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIST_ARGS)
 def _vs_bwd_dkdv_kernel(
     Q, K, V, DO, Lse2, Delta, DK, DV, QPos, KPos,
     BIdx, BCnt, BNm,
@@ -254,7 +256,7 @@ def _vs_bwd_dkdv_kernel(
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < Sk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIST_ARGS + ["Mq", "NC", "P"])
 def _vs_bwd_dkdv_cols_kernel(
     Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
     ColIdx, ColBits,
@@ -317,7 +319,7 @@ def _vs_bwd_dkdv_cols_kernel(
     tl.store(DVC + out_off + offs_d[None, :], dv, mask=slot_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ColIdx", "Sk", "NC", "sib", "sih"])
 def _dkdv_cols_epilogue_kernel(
     DKV, Part, Out, ColIdx, Sk, NC, G, B, HKV, sib, sih,
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, CAST: tl.constexpr,
@@ -418,7 +420,7 @@ def triton_block_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
         (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, _cap2(softcap), scale, Sq,
          Sk, H, H // Hkv, J, *_bwd_strides(q, k, v, dout), *fstr, *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-             BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+             BLOCK_J=COL_WORDS, ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
              SOFTCAP=softcap is not None, num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D),
              num_stages=cfg.bwd_stages),
     )

@@ -21,6 +21,18 @@ LOG2E_C = tl.constexpr(LOG2E)
 POS_MAX = tl.constexpr(2**31 - 1)  # position of a key past the end: never visible
 POS_MIN = tl.constexpr(-(2**31))  # position of a query past the end: sees nothing
 CHUNK = tl.constexpr(COL_CHUNK)  # column slots per bit word
+# Bit words per step of the forward and dq kernels' scan for a query tile's last column chunk: a fixed size (not the
+# number of words J, which comes from the pattern) so that the launch key does not depend on the pattern
+COL_WORDS = 16
+# Arguments of the attention kernels that come from the sparse pattern, never specialised (``do_not_specialize``), so
+# that one compiled kernel serves every pattern: the key length (a ring step over the pattern's gathered vertical keys
+# has as many keys as the pattern has verticals), the number of column bit words, the lists (views of one buffer
+# per ring step, at offsets that depend on the list widths) and their strides (the list widths). They only address
+# scalar or short loads, which specialisation would not vectorise. A name a kernel does not take is ignored.
+_LIST_ARGS = [
+    "Sk", "J", "FIdx", "FCnt", "FNm", "BIdx", "BCnt", "BNm", "ColIdx", "ColBits",
+    "sfb", "sfh", "sfm", "scb", "sch", "scm", "snb", "snh", "snm", "sib", "sih", "sbb", "sbh", "sbm",
+]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -85,12 +97,16 @@ def _tile_kv(f_base, i, k_base, v_base, KPos, q_pos, offs_n, offs_d, sks, svs, S
 
 @triton.jit
 def _col_chunk_end(bits_base, J, BLOCK_J: tl.constexpr):
-    """1 + the last column chunk with a bit set in this query tile's row of bits (0 if none). Columns are sorted,
-    so the chunks a query tile sees form a prefix; walking [0, end) without a branch lets the loads pipeline (a
-    chunk with no bit set inside it, e.g. wholly covered by computed tiles, is computed fully masked)."""
-    offs_j = tl.arange(0, BLOCK_J)
-    row = tl.load(bits_base + offs_j, mask=offs_j < J, other=0)
-    return tl.max(tl.where(row != 0, offs_j + 1, 0), 0)
+    """1 + the last column chunk with a bit set in this query tile's row of bits (0 if none), reading the J words
+    BLOCK_J at a time. Columns are sorted, so the chunks a query tile sees form a prefix; walking [0, end) without a
+    branch lets the loads pipeline (a chunk with no bit set inside it, e.g. wholly covered by computed tiles, is
+    computed fully masked)."""
+    end = 0
+    for j0 in range(0, J, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        row = tl.load(bits_base + offs_j, mask=offs_j < J, other=0)
+        end = tl.maximum(end, tl.max(tl.where(row != 0, offs_j + 1, 0), 0))
+    return end
 
 
 @triton.jit

@@ -26,9 +26,11 @@ from mtraining_kernels.indexing import TileLists
 from mtraining_kernels.launch import Launcher
 from mtraining_kernels.triton_common import (
     CHUNK,
+    COL_WORDS,
     LN2,
     LOG2E,
     POS_MIN,
+    _LIST_ARGS,
     _cap2,
     _col_args,
     _col_chunk_end,
@@ -63,7 +65,7 @@ def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, MASKED: tl.conste
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIST_ARGS)
 def _vs_fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
@@ -161,7 +163,7 @@ def triton_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, _cap2(softcap), Sq, Sk, H, H // Hkv, J,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *fstr, *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
-             HAS_PREV=has_prev, BLOCK_J=triton.next_power_of_2(max(J, 1)), ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
+             HAS_PREV=has_prev, BLOCK_J=COL_WORDS, ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
              SOFTCAP=softcap is not None, num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages),
     )
     return out, lse
