@@ -18,6 +18,7 @@ from mtraining_kernels.indexing import (
     TileLists,
     lists_have_work,
     prepare_pattern_tiles,
+    sorted_union,
     step_tile_lists,
     step_tile_lists_batched,
 )
@@ -139,31 +140,38 @@ def build_step_lists(pattern: VerticalSlashPattern, positions, cp_rank: int, sou
 
     ``verticals="gathered"``: the per-step lists hold tiles only, and the vertical columns are computed in one extra
     step against their gathered K/V (Note [Gathered verticals]); ``"arrival"``: each vertical at the step its key's
-    chunk arrives. One host sync for the pattern's list widths and, on more than one rank, one for which steps have
-    any work."""
+    chunk arrives.
+
+    Host syncs: on CUDA the lists' widths come from the pattern's shapes (``widths="bounded"``: a few size classes,
+    no sync; elsewhere the exact widths, one sync); a ring of one rank reads nothing more; on more than one rank one
+    sync reads which steps have any work together with the number of distinct vertical keys."""
     if verticals not in ("arrival", "gathered"):
         raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
-    full = pattern.expand(num_heads, num_kv_heads)
-    pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size)
     q_pos = positions[cp_rank]
+    full = pattern.expand(num_heads, num_kv_heads)
+    pt = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, n, pattern.tile_size,
+                               widths="bounded" if q_pos.is_cuda else "exact")
     gather = verticals == "gathered" and pt.verticals.numel() > 0
     # every step's lists in one builder call (one Triton launch on CUDA)
     built = step_tile_lists_batched(pt, q_pos, torch.stack([positions[src] for src in sources]), columns=not gather)
     lists = dict(zip(sources, built))
     if len(sources) == 1 and not gather:  # one step: nothing to skip, and an empty list computes nothing anyway
         return StepLists(lists, {sources[0]: False})
-    flags = [lists_have_work(lists[src]) for src in sources]
-    vert_pos = gathered = owned = None
+    flags = [lists_have_work(lists[src]).to(torch.int64) for src in sources]
     if gather:
-        v = pt.verticals.to(q_pos.device)
-        vert_pos = torch.unique(v[v < pt.big])  # sorted union over batch rows and heads
-        gathered = step_tile_lists(pt, q_pos, vert_pos, tiles=False)
-        flags.append(lists_have_work(gathered))
-        local = torch.searchsorted(q_pos, vert_pos).clamp(max=q_pos.numel() - 1)
-        owned = (local, q_pos[local] == vert_pos)
-    work = torch.stack(flags).tolist()
-    return StepLists(lists, {src: not w for src, w in zip(sources, work)}, vert_pos, gathered,
-                     not work[-1] if gather else True, owned)
+        union, count = sorted_union(pt.verticals.to(q_pos.device), pt.big)  # sorted, ascending, no sync
+        flags.append(count.to(torch.int64))
+    read = torch.stack(flags).tolist()  # the one host sync
+    skip = {src: not w for src, w in zip(sources, read)}
+    if not gather:
+        return StepLists(lists, skip)
+    vert_pos = union[:read[-1]]  # the pattern's vertical keys: the union over batch rows and heads
+    gathered = step_tile_lists(pt, q_pos, vert_pos, tiles=False)
+    local = torch.searchsorted(q_pos, vert_pos).clamp(max=q_pos.numel() - 1)
+    owned = (local, q_pos[local] == vert_pos)
+    # a step against no vertical computes nothing; one with verticals may still find them all inside computed tiles
+    # (its lists are then empty, and it merges nothing)
+    return StepLists(lists, skip, vert_pos, gathered, read[-1] == 0, owned)
 
 
 def attention_variant(window: int | None = None, softcap: float | None = None,
