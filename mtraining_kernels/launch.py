@@ -135,7 +135,7 @@ class Launcher:
         self.direct = hasattr(fn, "device_caches")
 
     def key(self, args: tuple, meta: dict) -> tuple:
-        """The specialisation key of a launch with these arguments (device None in the interpreter)."""
+        """The specialisation key of a launch with these arguments (device -1 in the interpreter, which has none)."""
         return specialization_key(args, meta, self.flags, None if self.direct else -1)
 
     def _record(self, key: tuple) -> None:
