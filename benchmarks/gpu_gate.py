@@ -136,7 +136,7 @@ def block_rates() -> dict:
 def phase_blocks(args) -> dict:
     out_json = os.path.join(args.out_dir, "blocks.json")
     rc, out = run([sys.executable, __file__, "--worker", "blocks", "--out-dir", args.out_dir],
-                  os.path.join(args.out_dir, "blocks.log"), 600)
+                  os.path.join(args.out_dir, "blocks.log"), args.blocks_timeout)
     if rc or not os.path.exists(out_json):
         return {"blocks_error": out[-1500:]}
     with open(out_json) as f:
@@ -146,7 +146,8 @@ def phase_blocks(args) -> dict:
 def phase_kernels(args) -> dict:
     path = os.path.join(args.out_dir, "kernel_sparse.json")
     rc, out = run([sys.executable, "benchmarks/kernel_sparse.py", "--seqlens", "131072", "--fractions", "0.05",
-                   "--anchors", "sdpa", "--out", path], os.path.join(args.out_dir, "kernels.log"), 600)
+                   "--anchors", "sdpa", "--out", path], os.path.join(args.out_dir, "kernels.log"),
+                  args.kernels_timeout)
     if rc or not os.path.exists(path):
         return {"kernels_error": out[-1500:]}
     with open(path) as f:
@@ -240,6 +241,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist processes for the GPU test tier")
     ap.add_argument("--fail-fast", action="store_true")
     ap.add_argument("--tests-timeout", type=float, default=420)
+    ap.add_argument("--blocks-timeout", type=float, default=150)
+    ap.add_argument("--kernels-timeout", type=float, default=150)
     ap.add_argument("--qwen-timeout", type=float, default=420)
     ap.add_argument("--smollm2-timeout", type=float, default=300)
     ap.add_argument("--smollm2-steps", type=int, default=12)
