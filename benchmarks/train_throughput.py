@@ -68,6 +68,7 @@ that overlap (other streams) count in full, and a checkpointed layer's recompute
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -75,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 
 VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_torch_loss", "mtraining_dense_plain_loss",
@@ -249,9 +251,19 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
         def on_train_batch_start(self, trainer, *a):
             if cuda and args.count_syncs and len(self.times) == args.warmup + args.steps:
                 # the step after the timed ones counts the host syncs (each raises a warning in this mode)
-                self.sync_log = warnings.catch_warnings(record=True)
-                self.sync_records = self.sync_log.__enter__()
+                self.sync_log = warnings.catch_warnings()
+                self.sync_log.__enter__()
                 warnings.simplefilter("always")
+
+                def where(message, category, filename, lineno, file=None, line=None):
+                    # called while the warning is raised: the stack names the line that synchronised
+                    if "synchroniz" in str(message):
+                        frames = [f for f in traceback.extract_stack()[:-1] if "/lightning_mtraining/" in f.filename
+                                  or "/mtraining_kernels/" in f.filename]
+                        self.sync_records.append(f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}"
+                                                 if frames else "outside the package")
+
+                warnings.showwarning = where
                 torch.cuda.set_sync_debug_mode("warn")
             if args.split and len(self.times) == args.warmup + args.steps + (1 if args.count_syncs else 0):
                 acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -267,8 +279,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             self.times.append(time.perf_counter() - self.t0)
             if self.sync_log is not None:
                 torch.cuda.set_sync_debug_mode(0)
-                self.syncs = sum("synchroniz" in str(w.message) for w in self.sync_records)
-                self.sync_log.__exit__(None, None, None)
+                self.syncs = len(self.sync_records)
+                self.sync_log.__exit__(None, None, None)  # restores warnings.showwarning
                 self.sync_log = None
                 return
             if self.prof is not None:
@@ -323,7 +335,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             step = statistics.median(timed)
             row.update(status="ok", step_s=step, steps_s=timed, tokens_per_s=n / step, **clock.metrics)
             if clock.syncs is not None:
-                row.update(syncs_per_step=clock.syncs)
+                row.update(syncs_per_step=clock.syncs,
+                           sync_sites=dict(collections.Counter(clock.sync_records).most_common(8)))
             if "error" in clock.split:
                 row.update(split_error=clock.split["error"])
             elif clock.split:

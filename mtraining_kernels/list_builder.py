@@ -273,20 +273,22 @@ def _lower_bound(base, stride, n, x, top, n_iter, DIV: tl.constexpr):
 
 
 @triton.jit
-def _step_rows(Own, Other, URow, Idx, Cnt, Nm, blk, n_own, n_other, L, BIG, top, n_iter, SIGN: tl.constexpr,
+def _step_rows(Own, Other, URow, Idx, Cnt, Nm, blk, n_own, n_other, L, n_u, BIG, top, n_iter, SIGN: tl.constexpr,
                T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_L: tl.constexpr):
     """One block of list rows. Query-major (SIGN = -1, Own = q_pos, Other = k_pos): row m lists the key tiles t with
     gk[t] = gq[m] - u; key-major (SIGN = +1, Own = k_pos, Other = q_pos): row t lists the query tiles m with
-    gq[m] = gk[t] + u; for the computed u in ascending order, so the masked diagonal tile (u = 0) comes first."""
+    gq[m] = gk[t] + u; for the computed u in ascending order, so the masked diagonal tile (u = 0) comes first.
+    ``n_u``: the row's computed offsets (its first ``n_u`` entries; the rest of its L are padding), so the searches
+    follow the pattern, not the width the lists were sized to."""
     r = blk * BLOCK + tl.arange(0, BLOCK)
     r_ok = r < n_own
     g_own = tl.load(Own + r.to(tl.int64) * T, mask=r_ok, other=0).to(tl.int32) // T
     cnt = tl.zeros([BLOCK], dtype=tl.int32)
     nm = tl.zeros([BLOCK], dtype=tl.int32)
     row = r.to(tl.int64) * L
-    for l0 in range(0, L, BLOCK_L):
+    for l0 in range(0, n_u, BLOCK_L):
         sl = l0 + tl.arange(0, BLOCK_L)
-        u = tl.load(URow + sl, mask=sl < L, other=BIG).to(tl.int32)
+        u = tl.load(URow + sl, mask=sl < n_u, other=BIG).to(tl.int32)
         target = g_own[:, None] + SIGN * u[None, :]
         # the torch builder's test: searchsorted of max(target, 0) (only gq - u can be < 0), clamped, then equality
         idx = tl.minimum(_lower_bound(Other, T, n_other, tl.maximum(target, 0), top, n_iter, T), n_other - 1)
@@ -306,8 +308,8 @@ def _step_rows(Own, Other, URow, Idx, Cnt, Nm, blk, n_own, n_other, L, BIG, top,
 
 
 @triton.jit
-def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, NC, J, BIG, top_s, it_s, top_u, it_u,
-                  T: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr):
+def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, n_v, NC, J, BIG, top_s, it_s, top_u,
+                  it_u, T: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr):
     """The column bit words of the query tiles of one block (and, for block 0, ``col_idx``).
 
     Walks the verticals in chunks of CHUNK, in order. The verticals found in this key chunk ("here") take the
@@ -324,9 +326,9 @@ def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, N
     carry = tl.zeros([BLOCK_M], dtype=tl.int64)
     n0 = 0  # here-verticals so far (the next free slot)
     w = 0  # the word being filled
-    for c0 in range(0, NV, CHUNK):
+    for c0 in range(0, n_v, CHUNK):  # the row's n_v verticals (the rest of its NV slots are padding)
         vi = c0 + i
-        v = tl.load(VRow + vi, mask=vi < NV, other=BIG).to(tl.int32)
+        v = tl.load(VRow + vi, mask=vi < n_v, other=BIG).to(tl.int32)
         loc = tl.minimum(_lower_bound(KPos, 1, Sk, v, top_s, it_s, 1), Sk - 1)
         here = (v < BIG) & (tl.load(KPos + loc).to(tl.int32) == v)
         h = here.to(tl.int32)
@@ -358,10 +360,10 @@ def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, N
         tl.store(ColIdx + slot, tl.zeros([CHUNK], dtype=tl.int32), mask=first & (slot >= n0) & (slot < NC))
 
 
-@triton.jit(do_not_specialize=["QPos", "KPos", "U", "V", "FIdx", "FCnt", "FNm", "BIdx", "BCnt", "BNm", "ColIdx",
-                               "ColBits", "Mq", "Nk", "Sk", "L", "NV", "NC", "J", "BIG", "BH", "n_col", "n_fwd",
-                               "top_q", "it_q", "top_k", "it_k", "top_s", "it_s", "top_u", "it_u"])
-def _step_lists_kernel(QPos, KPos, U, V, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColIdx, ColBits,
+@triton.jit(do_not_specialize=["QPos", "KPos", "U", "V", "UCnt", "VCnt", "FIdx", "FCnt", "FNm", "BIdx", "BCnt",
+                               "BNm", "ColIdx", "ColBits", "Mq", "Nk", "Sk", "L", "NV", "NC", "J", "BIG", "BH",
+                               "n_col", "n_fwd", "top_q", "it_q", "top_k", "it_k", "top_s", "it_s", "top_u", "it_u"])
+def _step_lists_kernel(QPos, KPos, U, V, UCnt, VCnt, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColIdx, ColBits,
                        Mq, Nk, Sk, L, NV, NC, J, BIG, BH, n_col, n_fwd, top_q, it_q, top_k, it_k, top_s, it_s,
                        top_u, it_u,
                        T: tl.constexpr, TILES: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -375,16 +377,18 @@ def _step_lists_kernel(QPos, KPos, U, V, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColId
     if pid < n_col:  # the column programs first: they are the longest (n_col = 0 without COLUMNS)
         if COLUMNS:
             _step_columns(QPos, KRow, URow, V + bh.to(tl.int64) * NV, ColIdx + sbh * NC, ColBits + sbh * Mq * J,
-                          pid, Mq, Sk, L, NV, NC, J, BIG, top_s, it_s, top_u, it_u, T, BLOCK_M, CHUNK, BLOCK_J)
+                          pid, Mq, Sk, L, NV, tl.load(VCnt + bh), NC, J, BIG, top_s, it_s, top_u, it_u, T, BLOCK_M,
+                          CHUNK, BLOCK_J)
     else:
         if TILES:
             blk = pid - n_col
+            n_u = tl.load(UCnt + bh)
             if blk < n_fwd:
                 _step_rows(QPos, KRow, URow, FIdx + sbh * Mq * L, FCnt + sbh * Mq, FNm + sbh * Mq, blk, Mq, Nk, L,
-                           BIG, top_k, it_k, -1, T, BLOCK_M, BLOCK_L)
+                           n_u, BIG, top_k, it_k, -1, T, BLOCK_M, BLOCK_L)
             else:
                 _step_rows(KRow, QPos, URow, BIdx + sbh * Nk * L, BCnt + sbh * Nk, BNm + sbh * Nk, blk - n_fwd, Nk,
-                           Mq, L, BIG, top_q, it_q, 1, T, BLOCK_M, BLOCK_L)
+                           Mq, L, n_u, BIG, top_q, it_q, 1, T, BLOCK_M, BLOCK_L)
 
 
 _LAUNCH_STEPS = Launcher(_step_lists_kernel)
@@ -437,9 +441,13 @@ def step_tile_lists_batched_triton(pt: PatternTiles, q_pos: torch.Tensor, k_pos_
     n_prog = n_col + (n_blk_m + n_blk_k if tiles else 0)
     if n_prog and BH and W:
         dummy = q_pos  # stands in for the outputs a launch does not write (never dereferenced)
+        # each row's real entries (sorted, padding ``big`` last): the kernel's loops stop there, so bounded widths
+        # (lists sized from the pattern's shapes) cost the builder nothing
+        u_cnt = (U < pt.big).sum(-1, dtype=i32).reshape(BH)
+        v_cnt = (V < pt.big).sum(-1, dtype=i32).reshape(BH) if NV else u_cnt
         _LAUNCH_STEPS(
             (n_prog, BH, W),
-            (q_pos, k_pos_steps, U, V if NV else dummy,
+            (q_pos, k_pos_steps, U, V if NV else dummy, u_cnt, v_cnt,
              *((f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm) if tiles else (dummy,) * 6),
              *((col_idx, col_bits) if do_cols else (dummy,) * 2),
              Mq, Nk, Sk, L, NV, NC, J, pt.big, BH, n_col, n_blk_m,

@@ -15,6 +15,7 @@ context-parallel ranks; :func:`~lightning_mtraining.sparsity.estimation.estimate
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -148,13 +149,29 @@ class VerticalSlashPattern:
 def head_pairs(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(allowed [B, G], causal [B])``: the (query, key) pairs each row's pattern head allows over the row's real
     sequence (``lengths``, one per batch row), and the causal pairs of that sequence (exact, per tile)."""
-    allowed = torch.cat([
+    allowed = _allowed_per_head(pattern, lengths)
+    return allowed, _causal_pairs(lengths).to(allowed.device)
+
+
+def _allowed_per_head(pattern: VerticalSlashPattern, lengths: list[int]) -> torch.Tensor:
+    """``[B, G]`` int64 on the pattern's device, no host sync."""
+    if len(set(lengths)) == 1:  # one length: every row at once
+        return pattern.allowed_pairs(lengths[0])
+    return torch.cat([
         VerticalSlashPattern(pattern.vertical_idx[b:b + 1], pattern.slash_idx[b:b + 1],
                              pattern.tile_size).allowed_pairs(length)
         for b, length in enumerate(lengths)])
-    causal = torch.tensor([length * (length + 1) // 2 for length in lengths], dtype=torch.int64,
-                          device=allowed.device)
-    return allowed, causal
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_on(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """:func:`_causal_pairs` on ``device``, made once per lengths and device (the copy to a GPU synchronises)."""
+    return _causal_pairs(lengths).to(device)
+
+
+def _causal_pairs(lengths) -> torch.Tensor:
+    """``[B]`` int64 on the host (a tensor built from a list on a GPU would be a synchronising copy)."""
+    return torch.tensor([n * (n + 1) // 2 for n in lengths], dtype=torch.int64)
 
 
 def allowed_share(pattern: VerticalSlashPattern, lengths: list[int]) -> tuple[int, int]:
@@ -207,7 +224,8 @@ def with_dense_heads(pattern: VerticalSlashPattern, dense: torch.Tensor, seq_len
     width = max(pattern.slash_idx.shape[-1], n_tiles)
     slash = torch.full((*pattern.slash_idx.shape[:2], width), -1, dtype=pattern.slash_idx.dtype, device=dense.device)
     slash[..., :pattern.slash_idx.shape[-1]] = pattern.slash_idx
-    slash[dense] = torch.cat([full, full.new_full((width - n_tiles,), -1)])
+    # torch.where, not boolean indexing: no host sync on a GPU
+    slash = torch.where(dense[..., None], torch.cat([full, full.new_full((width - n_tiles,), -1)]), slash)
     vertical = pattern.vertical_idx.masked_fill(dense[..., None], -1)
     return VerticalSlashPattern(vertical, slash, T)
 
@@ -250,16 +268,18 @@ class LayerPattern:
         lengths = tuple(int(x) for x in lengths)
         if dense_above is None:
             return cls(pattern, pattern, None, None, None, lengths, seq_len, None)
-        allowed = head_pairs(pattern, list(lengths))[0].cpu()  # the one host sync: the decision picks a code path
-        causal = torch.tensor([n * (n + 1) // 2 for n in lengths], dtype=torch.int64)
-        dense = decide_dense_heads(allowed, causal, dense_above)
+        allowed_d = _allowed_per_head(pattern, list(lengths))
+        dense_d = decide_dense_heads(allowed_d, _causal_on(lengths, allowed_d.device), dense_above)
+        G = allowed_d.shape[1]
+        both = torch.cat([allowed_d, dense_d.to(torch.int64)], 1).cpu()  # the one host sync: it picks a code path
+        allowed, dense = both[:, :G], both[:, G:].bool()
         if bool(dense.all()):
             computed = None
         elif bool(dense.any()):
-            computed = with_dense_heads(pattern, dense, seq_len)
+            computed = with_dense_heads(pattern, dense_d, seq_len)  # the device mask: no copy back
         else:
             computed = pattern
-        return cls(pattern, computed, dense, allowed, causal, lengths, seq_len, float(dense_above))
+        return cls(pattern, computed, dense, allowed, _causal_pairs(lengths), lengths, seq_len, float(dense_above))
 
     @property
     def all_dense(self) -> bool:

@@ -40,8 +40,11 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     a, c = int(allowed[0, 0]), int(causal[0])
     # a threshold just below head 0's share (so it runs dense) where a bf16 comparison says "not above": the forward
     # (bf16 default dtype) and the recompute (float32) disagreed there when the comparison ran in the default dtype
-    candidates = [a / c * (1 - e) for e in (1e-4, 5e-4, 1e-3, 2e-3, 3e-3)]
-    thr = next(t for t in candidates if a > Fraction(t) * c and float(torch.tensor(t * c, dtype=torch.bfloat16)) >= a)
+    # (where none does for this pattern, the closest threshold below the share: still one path per layer)
+    candidates = [a / c * (1 - e / 1e4) for e in range(1, 80)]
+    exact_dense = [t for t in candidates if a > Fraction(t) * c]
+    bf16 = lambda x: float(torch.tensor(x, dtype=torch.bfloat16))  # noqa: E731
+    thr = next((t for t in exact_dense if not bf16(a) > bf16(t * c)), exact_dense[0])
 
     decisions = []
     real = LayerPattern.decide.__func__
