@@ -92,7 +92,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = PAPER_SPARSITY,
+        sparsity: SparsityConfig | str | None = PAPER_SPARSITY,
         attention: SparseAttentionCallback | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.core.layouts import LAYOUTS
 from lightning_mtraining.hf.losses import FUSED_LOSS_BACKENDS
-from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig, parse_sparsity
 
 __all__ = ["ContextParallelOptions", "FIELD_DOCS", "FSDP_ONLY", "LOSS_CHECKS", "OPTIONS_MARKER", "TRAINER_ONLY",
            "document_options", "options_doc"]
@@ -56,7 +56,9 @@ FIELD_DOCS: dict[str, str] = {
     "sparsity": (
         "vertical-slash budgets for sparse ring attention (the pattern is estimated online for every layer and "
         "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) "
-        "attention. The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
+        "attention, or the same as a short string: ``\"paper\"``, ``\"none\"``, ``\"topp:P\"`` or ``\"topk:V,S\"`` "
+        "(:func:`~lightning_mtraining.sparsity.config.parse_sparsity`, as ``examples/train.py --sparsity`` takes it). "
+        "The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
         "PAPER_SPARSITY` (top-p 0.9, caps 4096), which is what ``strategy=\"mtraining\"`` means; "
         "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of the short sequences one "
         "tries first (1-8K tokens) when the model's attention is spread out (random initialisation): such a run logs "
@@ -130,7 +132,7 @@ class ContextParallelOptions:
     inner_ring_size: int | None = None
     layout: Literal["striped", "zigzag", "contiguous"] = "striped"
     block_size: int = 128
-    sparsity: SparsityConfig | None = PAPER_SPARSITY
+    sparsity: SparsityConfig | str | None = PAPER_SPARSITY
     loss_check: Literal["raise", "warn", "off"] = "raise"
     fused_loss: bool | str = True
     activation_checkpointing: bool = False
@@ -155,8 +157,14 @@ class ContextParallelOptions:
             raise ValueError(f"{o}(layout=...) must be one of {LAYOUTS}, got {self.layout!r}")
         if not is_int(self.block_size):
             raise ValueError(f"{o}(block_size=...) must be a positive int, got {self.block_size!r}")
+        if isinstance(self.sparsity, str):  # "paper", "none", "topp:P", "topk:V,S": stored as the config they name
+            try:
+                object.__setattr__(self, "sparsity", parse_sparsity(self.sparsity))
+            except ValueError as error:
+                raise ValueError(f"{o}(sparsity=...): {error}") from None
         if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
-            raise TypeError(f"{o}(sparsity=...) must be a SparsityConfig or None, got {type(self.sparsity).__name__}")
+            raise TypeError(f"{o}(sparsity=...) must be a SparsityConfig, a spec string such as 'paper', or None, got "
+                            f"{type(self.sparsity).__name__}")
         for name in ("loss_check", "nonfinite_check"):
             if getattr(self, name) not in LOSS_CHECKS:
                 raise ValueError(f"{o}({name}=...) must be one of {LOSS_CHECKS}, got {getattr(self, name)!r}")
