@@ -1,37 +1,7 @@
-"""From "N machines of G GPUs" to a running job: which world each launcher gives the strategy, the check that the
-launcher's nodes are the ones the rings are cut for, a plan written as a LightningCLI config, the launch commands,
-and an optional Lightning Studio job submission.
-
-Note [Launchers and cluster environments]
------------------------------------------
-The strategies never read launcher variables themselves: Lightning picks a cluster environment at ``Trainer(...)``
-(or ``Fabric(...)``), the first that detects itself in the order below (LSF and MPI come between SLURM and the
-default), and the strategy takes the world size, the global rank and the node rank from it::
-
-    launcher                      detected as (by)                      what Lightning reads
-    ----------------------------  ------------------------------------  --------------------------------------------
-    torchrun --nnodes N            TorchElasticEnvironment               RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK
-      --nproc-per-node G           (TORCHELASTIC_RUN_ID is set)          (the node), MASTER_ADDR, MASTER_PORT
-    srun (SLURM), N nodes with     SLURMEnvironment                      SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS,
-      --ntasks-per-node G          (SLURM_NTASKS is set, job name not    SLURM_NODEID; MASTER_ADDR is the first host
-                                   "bash" or "interactive")              of SLURM_NODELIST, MASTER_PORT from the job id
-    Lightning Studio multi-        LightningEnvironment (the default)    NODE_RANK, MASTER_ADDR, MASTER_PORT; Lightning
-      machine job, or plain                                              starts the machine's G processes itself (the
-      ``python`` on each machine                                         others with LOCAL_RANK set)
-
-``Trainer(devices=G, num_nodes=N)`` says how many processes a node runs and how many nodes there are. Lightning
-checks ``G x N`` against torchrun's WORLD_SIZE and, under SLURM, ``G`` against ``--ntasks-per-node`` and ``N``
-against ``--nodes``. A CP group is ``cp`` consecutive global ranks and an inner ring ``inner_ring_size`` consecutive
-ranks of it, so they stay inside a node only if node ``n`` holds global ranks ``n G .. n G + G - 1``: the strategies
-check exactly that for every rank before building the mesh (:func:`check_node_layout`). It fails when ``devices``
-differs from the launcher's processes per node (``torchrun --nproc-per-node 4`` under ``Trainer(devices=8,
-num_nodes=1)`` passes Lightning's check on a world of 8) or when the launcher numbers ranks round-robin over nodes
-(``srun --distribution=cyclic``).
-
-With ``num_nodes > 1`` and ``inner_ring_size=None``, a CP group that spans nodes runs the hierarchical ring with its
-inner rings inside a node (:func:`~lightning_mtraining.distributed.mesh.resolve_inner_ring_size`), and rank 0's
-mesh line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer
-(across nodes) x 8 inner (within a node), striped layout (block 128)``.
+"""Job tooling, from "N machines of G GPUs" to a running job: a plan written as a LightningCLI config, the launch
+commands of each launcher, and an optional Lightning Studio job submission. Nothing here runs inside a training job;
+the check a running strategy makes of its launcher's world is :mod:`lightning_mtraining.strategies.node_layout`
+(Note [Launchers and cluster environments] there: which world each launcher gives the strategy).
 """
 
 from __future__ import annotations
@@ -47,6 +17,7 @@ from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.distributed.mesh import resolve_context_parallel_size, resolve_inner_ring_size
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
+from lightning_mtraining.strategies.node_layout import check_node_layout  # its home before the split; still here
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
 __all__ = [
@@ -60,27 +31,6 @@ __all__ = [
     "to_yaml",
     "trainer_config",
 ]
-
-
-def check_node_layout(node_rank: int, global_rank: int, ranks_per_node: int, num_nodes: int, environment: str,
-                      owner: str) -> None:
-    """Raise ValueError when this rank runs on another node than ``global_rank // ranks_per_node``, the node the
-    strategy cuts CP groups and inner rings by (Note [Launchers and cluster environments]).
-
-    ``node_rank``: the node the cluster environment (named ``environment``) reports for this process;
-    ``ranks_per_node`` and ``num_nodes``: ``Trainer(devices=..., num_nodes=...)``.
-    """
-    expected = global_rank // ranks_per_node
-    if node_rank == expected:
-        return
-    raise ValueError(
-        f"{owner}: global rank {global_rank} runs on node {node_rank} ({environment}), but with devices="
-        f"{ranks_per_node} and num_nodes={num_nodes} the strategy takes node {expected} to hold ranks "
-        f"{expected * ranks_per_node}..{expected * ranks_per_node + ranks_per_node - 1}: its context-parallel groups "
-        "and inner rings would straddle nodes. Set devices to the processes the launcher starts on each node "
-        "(torchrun --nproc-per-node, SLURM --ntasks-per-node) and num_nodes to the number of nodes; under SLURM keep "
-        "the default block distribution of tasks (not --distribution=cyclic)"
-    )
 
 
 def sparsity_init(sparsity: SparsityConfig | None) -> dict[str, Any] | None:

@@ -166,7 +166,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
     def _configure_launcher(self) -> None:
         # ModelParallelStrategy's, with the checks before launch and no local rank outliving a failure
         # (Note [No rank outlives a failure] in lightning_mtraining.strategies.launchers)
-        self._check_sizes_before_launch()
+        self._check_world_before_launch()
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CheckedSubprocessScriptLauncher(self, self.cluster_environment, self.num_processes,

@@ -228,7 +228,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Called by the Trainer's connector once devices and nodes are known: the sizes fail at Trainer(...).
-        self._check_sizes_before_launch()
+        self._check_world_before_launch()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(

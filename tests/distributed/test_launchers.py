@@ -129,6 +129,34 @@ def test_node_layout_is_checked(monkeypatch):
     strategy._check_node_layout()  # rank 2 = node 1's first process: consistent
 
 
+_WRONG_DEVICES = """
+import lightning as L
+from lightning_mtraining import MTrainingStrategy
+
+L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=MTrainingStrategy(sparsity=None), logger=False)
+print("the Trainer was built")
+"""
+
+
+def test_devices_below_torchruns_processes_fail_before_any_work(tmp_path):
+    """A real ``torchrun --nproc-per-node 2`` on one machine under ``Trainer(devices=1, num_nodes=2)``: both ranks
+    stop at ``Trainer(...)`` with the fix, said once by rank 0 and in one line by rank 1 (without the check: a bare
+    ``IndexError`` from Lightning once a process group exists). ``tests/unit/test_node_layout.py`` has both
+    directions."""
+    script = tmp_path / "wrong_devices.py"
+    script.write_text(_WRONG_DEVICES)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(script)], env=clean_env(), capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "the Trainer was built" not in text, text
+    assert "IndexError" not in text, text
+    assert text.count("[rank0]: ValueError: MTrainingStrategy: the launcher (TorchElasticEnvironment) started 2 "
+                      "processes on each node over 1 node") == 1, text
+    assert text.count("Use devices=2 and num_nodes=1") == 1, text
+    assert [line for line in text.splitlines() if line.startswith("[rank1]:")] == [
+        next(line for line in text.splitlines() if line.startswith("[rank1]: ValueError, reported by rank 0"))], text
+
+
 def test_mesh_line_says_where_rings_run():
     """The default inner ring on ``num_nodes > 1`` and what rank 0's line says, for CP groups inside a node, over
     whole nodes, over part of nodes, and an explicit inner ring that straddles nodes."""
