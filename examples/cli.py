@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sysconfig
-import warnings
 from typing import Literal
 
 import lightning as L
@@ -140,11 +139,6 @@ class StdlibBytesDataModule(L.LightningDataModule):
 
 
 def main() -> None:
-    # torch 2.13 deprecates isinstance checks against LeafSpec, and Lightning 2.6.6 still makes one
-    # (lightning/pytorch/utilities/_pytree.py) on every rank; Lightning's to fix, nothing a user can act on.
-    warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-    )
     LightningCLI(CausalLMModule, StdlibBytesDataModule, save_config_kwargs={"overwrite": True})
 
 

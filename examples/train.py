@@ -125,7 +125,7 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
-from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback  # noqa: E402
+from lightning_mtraining.callbacks import SparseAttentionCallback, progress_bar  # noqa: E402
 from lightning_mtraining.sparsity.config import parse_sparsity  # noqa: E402
 from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss
 
@@ -133,12 +133,7 @@ assert VOCAB_SIZE >= data.VOCAB_SIZE
 
 
 def quiet_known_warnings() -> None:
-    """Silence two warnings that say nothing a user of this script can act on (every rank would print them)."""
-    # torch 2.13 deprecates isinstance checks against LeafSpec, and Lightning 2.6.6 still makes one
-    # (lightning/pytorch/utilities/_pytree.py) when it flattens batches; Lightning's to fix, not ours.
-    warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-    )
+    """Silence a warning that says nothing a user of this script can act on (every rank would print it)."""
     # Lightning warns that an IterableDataset's __len__ may be wrong with several DataLoader workers unless each
     # worker reads its own share: litdata's StreamingDataset splits its chunks over workers itself.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
@@ -316,7 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
         enable_checkpointing=False,
         enable_model_summary=False,
         # density and imbalance of the estimated patterns in the progress bar and the CSV, every step
-        callbacks=[SparseAttentionCallback(log_every_n_steps=1, recall_every_n_steps=args.recall_every)],
+        # (and Lightning's progress bar, labelled "Epoch 0" rather than "Epoch 0/-2" for a run bounded by max_steps)
+        callbacks=[SparseAttentionCallback(log_every_n_steps=1, recall_every_n_steps=args.recall_every),
+                   progress_bar()],
     )
     start = time.perf_counter()
     trainer.fit(module)

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Callable
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -38,7 +39,7 @@ from lightning_mtraining.hf.model import find_hf_models
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.schedule import dense_head_share
 
-__all__ = ["SparseAttentionCallback"]
+__all__ = ["SparseAttentionCallback", "say_dense_cost_note"]
 
 _HEADLINE = ("attention/density", "attention/imbalance", "attention/recall")
 
@@ -181,6 +182,12 @@ class SparseAttentionCallback(Callback):
         # already world values (the metrics synced them): no sync_dist
         pl_module.log_dict(headline, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log_dict(layers, prog_bar=False, on_step=True, on_epoch=False)
-        note = schedule.dense_cost_note(float(overall.reshape(-1)[0]))  # once: a sparse run at a dense run's cost
-        if note is not None:
-            rank_zero_info(note)
+        say_dense_cost_note(schedule, float(overall.reshape(-1)[0]))
+
+
+def say_dense_cost_note(schedule: Any, density: float | None = None) -> None:
+    """Rank 0 logs the schedule's note that a sparse run costs what a dense one does, once per run (``density``: the
+    world's share of computed pairs if known; see ``AttentionSchedule.dense_cost_note``), wrapped to 116 columns."""
+    note = schedule.dense_cost_note(density)
+    if note is not None:
+        rank_zero_info(textwrap.fill(note, width=116))

@@ -38,6 +38,7 @@ are joined with, :func:`tokenizer_encode` a picklable ``encode(str) -> list[int]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -45,6 +46,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -266,13 +268,30 @@ def load_tokenizer(source: str | os.PathLike | PretrainedSource, **kwargs: Any) 
     src = source if isinstance(source, PretrainedSource) else resolve_pretrained(source)
     if src.kind == "gguf":
         _check_gguf_requirements()
-        return AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file, **kwargs)
-    return _hub_guard(src, lambda: AutoTokenizer.from_pretrained(src.location, **kwargs))
+        return _load(src, lambda: AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file, **kwargs))
+    return _load(src, lambda: AutoTokenizer.from_pretrained(src.location, **kwargs))
 
 
-def _hub_guard(src: PretrainedSource, load):
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside (a GGUF's conversion and the weight loading print hundreds of updates,
+    on every rank), back as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = getattr(hf_logging, "is_progress_bar_enabled", lambda: True)()
+    hf_logging.disable_progress_bar()
     try:
-        return load()
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load(src: PretrainedSource, load):
+    """``load()``, a transformers call reading ``src``: without progress bars, and a hub failure explained."""
+    try:
+        with _no_progress_bars():
+            return load()
     except OSError as e:
         if src.kind != "hub":
             raise
@@ -319,7 +338,7 @@ def load_pretrained(
         from transformers.utils.quantization_config import GgufConfig
 
         kwargs = {"gguf_file": src.gguf_file, "quantization_config": GgufConfig(dequantize=True)}
-    config = _hub_guard(src, lambda: AutoConfig.from_pretrained(src.location, gguf_file=kwargs.get("gguf_file")))
+    config = _load(src, lambda: AutoConfig.from_pretrained(src.location, gguf_file=kwargs.get("gguf_file")))
     apply_rope(config, rope)
     if num_layers is not None:
         if num_layers > config.num_hidden_layers:
@@ -327,7 +346,7 @@ def load_pretrained(
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):
             config.layer_types = list(config.layer_types[:num_layers])
-    model = _hub_guard(src, lambda: AutoModelForCausalLM.from_pretrained(
+    model = _load(src, lambda: AutoModelForCausalLM.from_pretrained(
         src.location, config=config, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs))
     model = _plain(model).eval()
     tok = load_tokenizer(src) if tokenizer else None

@@ -177,3 +177,20 @@ def test_corpus_in_the_models_tokens(tmp_path_factory, tmp_path):
     stamp = (out / "mtraining_corpus.json").stat().st_mtime_ns
     data.build_stdlib_corpus(tmp_path / "corpus", include=["json"], encoder=encoder, chunk_tokens=1 << 15)
     assert (out / "mtraining_corpus.json").stat().st_mtime_ns == stamp
+
+
+def test_loading_prints_no_progress_bars_and_leaves_them_as_they_were(tmp_path, capfd):
+    """transformers draws progress bars while it reads weights (a GGUF's conversion: hundreds of updates on every
+    rank); ``load_pretrained`` turns them off for its own loads only (the same loader reads a checkpoint folder and
+    a GGUF, so a folder shows it)."""
+    from helpers.models import make_model
+    from transformers.utils import logging as hf_logging
+
+    make_model("llama").save_pretrained(tmp_path / "ckpt")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    model, _ = load_pretrained(tmp_path / "ckpt", tokenizer=False)
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err and "it/s" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()  # back as it was
+    assert type(model).__name__ == "LlamaForCausalLM"
