@@ -20,7 +20,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks, same_on_ranks
+from lightning_mtraining.core.errors import (
+    claim_first_failure,
+    group_ranks,
+    mark_same_on_ranks,
+    same_on_ranks,
+    watch_failures,
+)
 from lightning_mtraining.distributed.mesh import (
     build_context_parallel,
     describe_mesh,
@@ -199,6 +205,8 @@ class ContextParallelMixin:
         if dist.is_initialized() and self._exit_state is None:
             self._exit_state = {"interrupted": False, "release": weakref.WeakMethod(self._release_process_groups)}
             atexit.register(_destroy_process_group_at_exit, self._exit_state)
+        if dist.is_initialized():  # a failure on one rank is reported once, last (Note [The first failure speaks last])
+            watch_failures(self.global_rank, self.world_size)
         mesh = describe_mesh(type(self).__name__, self.world_size, cp_size, inner, o.layout, o.block_size,
                              o.data_parallel_replicate_size, o.tensor_parallel_size, num_nodes=self.num_nodes)
         if mesh != self._logged_mesh:  # once per strategy, not again for each of fit/validate/test/predict
@@ -213,6 +221,14 @@ class ContextParallelMixin:
             return
         check_node_layout(environment.node_rank(), self.global_rank, max(self.num_processes, 1), self.num_nodes,
                           type(environment).__name__, type(self).__name__)
+
+    def record_failure(self, exception: BaseException, trainer: Any = None) -> None:
+        """``exception`` ends this rank's run: record it as the job's first failure if no other rank failed before,
+        with the Trainer's global step and stage (Note [The first failure speaks last] in
+        :mod:`lightning_mtraining.core.errors`)."""
+        state = getattr(trainer, "state", None)
+        stage = getattr(getattr(state, "fn", None), "value", None)
+        claim_first_failure(exception, getattr(trainer, "global_step", None), stage)
 
     def _release_process_groups(self) -> None:
         """Drop the mesh and the plan's groups (at exit, after ``destroy_process_group``: see the exit hook)."""

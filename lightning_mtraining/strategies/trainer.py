@@ -155,6 +155,7 @@ class TrainerStepHooks:
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._mark_interrupted()
+        self.record_failure(exception, getattr(self.lightning_module, "_trainer", None))
         super().on_exception(exception)
 
     @override
