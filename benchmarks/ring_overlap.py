@@ -39,7 +39,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from lightning_mtraining import RingTrace, ring_attention, shard_sequence, unshard_sequence  # noqa: E402
+from lightning_mtraining import ring_attention, shard_sequence, unshard_sequence  # noqa: E402
+from lightning_mtraining.ring import RingTrace  # noqa: E402
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
 from lightning_mtraining.sparsity.attention import sparse_attention  # noqa: E402
 

@@ -283,10 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
         from lightning_mtraining.hf import pretrained
 
         args.pretrained = pretrained.local_checkpoint(args.pretrained)  # a GGUF: converted once, float32
-        encoder = pretrained.TokenizerPackageEncoder(pretrained.load_tokenizer(args.pretrained))
+        encoder = data.TokenizerPackageEncoder(pretrained.load_tokenizer(args.pretrained))
         args.eos_token = encoder.separator
         if args.data_dir is None:
-            args.data_dir = str(pretrained.corpus_dir_for(encoder.tokenizer))
+            args.data_dir = str(data.corpus_dir_for(encoder.tokenizer))
     elif args.rope is not None:
         raise SystemExit("--rope changes a pretrained model's RoPE: it needs --pretrained")
     args.data_dir = str(data.build_stdlib_corpus(args.data_dir, include=args.packages, encoder=encoder, verbose=True))

@@ -277,7 +277,7 @@ def build_stdlib_corpus(
         encoder: the tokens of a package document, for a pretrained model's tokenizer: an object with
             ``__call__(root, files) -> np.ndarray`` (``uint16`` or ``int32`` ids, the document's end token
             included), ``fingerprint`` (a string that changes whenever the tokens would) and ``vocab_size``
-            (e.g. :class:`lightning_mtraining.hf.pretrained.TokenizerPackageEncoder`). None: the byte-level tokens above.
+            (e.g. :class:`lightning_mtraining.data.model_tokens.TokenizerPackageEncoder`). None: the byte-level tokens above.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive; got {chunk_tokens}")

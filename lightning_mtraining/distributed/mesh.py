@@ -281,7 +281,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
     missing = [n for n in MESH_DIM_NAMES if n not in names]
     if missing:
-        raise ValueError(f"fsdp_mesh: the mesh {names} lacks {missing}; build it with lightning_mtraining.build_mesh")
+        raise ValueError(f"fsdp_mesh: the mesh {names} lacks {missing}; build it with lightning_mtraining.distributed.build_mesh")
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if mesh.size(names.index("dp_replicate")) == 1:
         return flat

@@ -85,7 +85,9 @@ def _run(sizes: dict, *, sparse: bool = False, steps: int = STEPS, ckpt: str | N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from lightning_mtraining import MeshAxes, apply_context_parallel, apply_fsdp, build_mesh
+    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining.distributed import MeshAxes, build_mesh
+    from lightning_mtraining.hf import apply_fsdp
 
     mesh = build_mesh("cpu", **sizes)
     axes = MeshAxes.of(mesh)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers.real_model import needs_real_model, smollm2_folder
 
+from lightning_mtraining.data import model_tokens
 from lightning_mtraining.hf import pretrained
 from lightning_mtraining.hf.pretrained import PretrainedSource, apply_rope, load_pretrained, resolve_pretrained
 
@@ -117,7 +118,7 @@ def test_converted_folder_equals_the_gguf(tmp_path_factory):
         assert value.dtype == torch.float32 and torch.equal(value, folder_state[name]), name
     text = _heldout_text()[:2000]
     assert tok_gguf.encode(text, add_special_tokens=False) == tok_folder.encode(text, add_special_tokens=False)
-    assert pretrained.document_separator_id(tok_folder) == tok_folder.convert_tokens_to_ids("<|endoftext|>") == 0
+    assert model_tokens.document_separator_id(tok_folder) == tok_folder.convert_tokens_to_ids("<|endoftext|>") == 0
 
 
 @needs_real_model
@@ -151,7 +152,7 @@ def test_corpus_in_the_models_tokens(tmp_path_factory, tmp_path):
     from lightning_mtraining import data
 
     _, tok = load_pretrained(smollm2_folder(tmp_path_factory), num_layers=1)
-    encoder = pretrained.TokenizerPackageEncoder(tok)
+    encoder = model_tokens.TokenizerPackageEncoder(tok)
     assert encoder.vocab_size == 49152 and encoder.dtype == __import__("numpy").uint16 and encoder.separator == 0
     out = data.build_stdlib_corpus(tmp_path / "corpus", include=["json"], encoder=encoder, chunk_tokens=1 << 15)
     manifest = json.loads((out / "mtraining_corpus.json").read_text())
@@ -194,3 +195,15 @@ def test_loading_prints_no_progress_bars_and_leaves_them_as_they_were(tmp_path, 
     assert "Loading weights" not in out + err and "it/s" not in out + err, err
     assert hf_logging.is_progress_bar_enabled()  # back as it was
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_the_corpus_helpers_moved_to_the_data_layer_and_still_resolve_from_their_old_home():
+    for name in model_tokens.__all__:
+        with pytest.warns(DeprecationWarning, match=rf"hf.pretrained.{name} is deprecated: use lightning_mtraining."
+                                                    rf"data.model_tokens.{name}"):
+            assert getattr(pretrained, name) is getattr(model_tokens, name)
+    with pytest.raises(AttributeError):
+        pretrained.no_such_name  # noqa: B018
+    from lightning_mtraining import data
+
+    assert data.TokenizerPackageEncoder is model_tokens.TokenizerPackageEncoder  # also from the data package
