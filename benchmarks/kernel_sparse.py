@@ -15,7 +15,8 @@ Patterns (one per KV head: G = H_kv = 2, a different random draw per head and pe
   (``fit_pattern``; a BM x BN tile with BM = 2 BN turns one band into two tile offsets, so coarser tiles get
   fewer bands for the same fraction).
 Computed work = (tile pairs x BM x BN + gathered (query tile, column) pairs x BM) per head; TFLOP/s use
-4 * D * pairs forward and x3.5 for forward+backward (DESIGN.md). The fraction reported is that work over the
+4 * D * pairs forward and x3.5 for forward+backward (the backward does 2.5 times the forward's matmul work). The
+fraction reported is that work over the
 causal S^2/2 pairs. FlexAttention "cover" gets a BlockMask (128 x 128) of every tile holding a computed pair,
 full blocks below the diagonal and a causal mask_mod on the diagonal: the best a FlexAttention user can do.
 ``--graphs`` also times both fwd+bwd (ours and FlexAttention dense) replayed from a CUDA graph: the GPU time

@@ -426,8 +426,8 @@ def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
 class MaskedSparseAttention:
     """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
     with it applied as a dense boolean mask (SDPA, one query head at a time), which is what
-    :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the same
-    pattern applied as a dense mask; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
+    :func:`lightning_mtraining.sparse_attention` computes (sparse results are checked against the same pattern
+    applied as a dense mask throughout the tests; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
     :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal
     is, :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
     and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens."""

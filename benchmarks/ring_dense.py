@@ -5,7 +5,8 @@
 Shape: Qwen2.5-3B attention (16 query heads, 2 KV heads, head dim 128), bf16, batch 1, causal.
 Measured in one run, side by side:
 
-- ``sdpa_flash``: single-GPU SDPA with the flash backend (forward+backward), the anchor of ENVIRONMENT.md.
+- ``sdpa_flash``: single-GPU SDPA with the flash backend (forward+backward): the dense anchor (H100, 16 heads of
+  128 at 16K-64K: 305-326 TFLOP/s, where SDPA's default backend, cuDNN, reaches 550-567).
 - ``flex_dense``: single-GPU FlexAttention, dense causal BlockMask (compiled), forward+backward.
 - ``ring_w1_OP``: the production ``ring_attention`` at world size 1 (no process group), forward+backward, with
   block op OP (``flex``: FlexAttention; ``triton``: this project's Triton kernels, dense tile lists).
@@ -14,7 +15,8 @@ Measured in one run, side by side:
   (what a real ring costs if communication is hidden), ``mean_rank`` = mean over ranks of their total,
   ``imbalance`` = max/mean of the per-rank totals.
 
-FLOPs: 4*S*S*D*H/2 forward for causal attention, x3.5 for forward+backward (DESIGN.md). For the ring the same
+FLOPs: 4*S*S*D*H/2 forward for causal attention, x3.5 for forward+backward (the backward does 2.5 times the
+forward's matmul work: dq, dk, dv and the recomputed scores). For the ring the same
 useful FLOPs are divided by the critical path times W (it is W GPUs' worth of time).
 """
 

@@ -1,10 +1,11 @@
 """Dense ring attention against a float64 single-process reference, on 1..8 gloo processes.
 
-Protocol (DESIGN.md "How correctness is shown"): the same random full-sequence q, k, v and output gradient on
-every rank; each rank shards them, runs ring_attention forward and backward, and returns its shards of the
-output and of dq, dk, dv; the parent unshards and compares with dense causal attention computed in float64.
-Sizes are uneven (sequence lengths 3x the layout unit, never powers of two), GQA 6 query heads on 2 KV heads,
-batch 2, head dims 16 and 64, odd world sizes, flat and hierarchical rings.
+Protocol (the one every distributed test follows: the result against a single-process reference in float64, for the
+output and every gradient, at uneven sizes and several world sizes): the same random full-sequence q, k, v and output
+gradient on every rank; each rank shards them, runs ring_attention forward and backward, and returns its shards of the
+output and of dq, dk, dv; the parent unshards and compares with dense causal attention computed in float64. Sizes are
+uneven (sequence lengths 3x the layout unit, never powers of two), GQA 6 query heads on 2 KV heads, batch 2, head dims
+16 and 64, odd world sizes, flat and hierarchical rings.
 """
 
 import math

@@ -1,12 +1,13 @@
 """Sparse ring attention against single-device ``sparse_attention`` on the unsharded tensors, on 1..8 gloo processes.
 
-Protocol (DESIGN.md "How correctness is shown"): the same random full-sequence q, k, v, output gradient and global
-pattern on every rank; each rank shards q/k/v, runs ``ring_attention(..., sparsity=pattern)`` forward and backward,
-and returns its shards of out, dq, dk, dv; the parent unshards them and compares with ``sparse_attention`` (the
-reference path: dense-masked attention, float64) on the whole sequence. Patterns: random verticals (with padding and
-duplicates), the local diagonal, near slashes and an isolated far slash; per query head (G = H) and per KV group
-(G = Hkv); GQA 6 query heads on 2 KV heads; batch 2; tile T = 16; lengths 3 x the layout's unit; all three layouts;
-flat rings W in 1, 2, 3, 4, 8 and hierarchical rings 2x2, 2x4, 4x2.
+Protocol (the one every distributed test follows: the result against a single-process reference in float64, for the
+output and every gradient, at uneven sizes and several world sizes): the same random full-sequence q, k, v, output
+gradient and global pattern on every rank; each rank shards q/k/v, runs ``ring_attention(..., sparsity=pattern)``
+forward and backward, and returns its shards of out, dq, dk, dv; the parent unshards them and compares with
+``sparse_attention`` (the reference path: dense-masked attention, float64) on the whole sequence. Patterns: random
+verticals (with padding and duplicates), the local diagonal, near slashes and an isolated far slash; per query head (G =
+H) and per KV group (G = Hkv); GQA 6 query heads on 2 KV heads; batch 2; tile T = 16; lengths 3 x the layout's unit; all
+three layouts; flat rings W in 1, 2, 3, 4, 8 and hierarchical rings 2x2, 2x4, 4x2.
 
 Tolerances: float64 inputs differ from the reference only in summation order (ring merge vs one softmax), ~1e-15
 relative; 1e-12 leaves room and catches any wrong pair (an extra or missing pair changes outputs by ~1e-2). float32
