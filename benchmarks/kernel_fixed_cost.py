@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_sparse import D, H, HKV, _config, fit_pattern  # noqa: E402
+from kernel_sparse import HKV, D, H, _config, fit_pattern  # noqa: E402
 
 from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists  # noqa: E402
 from mtraining_kernels.vertical_slash import vertical_slash_attention  # noqa: E402

@@ -31,8 +31,8 @@ import time
 import torch
 
 from lightning_mtraining import ring_attention
-from lightning_mtraining.ring.block_ops import FlexBlockOp
 from lightning_mtraining.core.layouts import shard_sequence
+from lightning_mtraining.ring.block_ops import FlexBlockOp
 from lightning_mtraining.ring.simulated import SimulatedRing
 
 H, HKV, D = 16, 2, 128
@@ -103,7 +103,8 @@ def run(seqs, worlds, reps, block_size, inner, op_names=("flex",), anchors=True)
         if anchors:
             singles.insert(0, ("sdpa_flash", sdpa_flash))
         for op_name, op in ops.items():
-            singles.append((f"ring_w1_{op_name}", lambda a, b, c, op=op: ring_attention(a, b, c, block_size=block_size, op=op)))
+            singles.append((f"ring_w1_{op_name}",
+                            lambda a, b, c, op=op: ring_attention(a, b, c, block_size=block_size, op=op)))
         for name, attn in singles:
             try:
                 ms = bench(lambda: fwd_bwd(attn, q, k, v, do), reps)
@@ -134,9 +135,9 @@ def run(seqs, worlds, reps, block_size, inner, op_names=("flex",), anchors=True)
                              "tflops": flops(seq) / (critical * w) / 1e9})
             except torch.OutOfMemoryError as e:
                 rows.append({**base, "variant": f"sim_w{w}_{op_name}", "world": w, "error": f"OOM: {e}"[:200]})
-            del sim
+            sim = None  # freed before the next world size (a del would leave the name unbound for ruff)
             torch.cuda.empty_cache()
-        del q, k, v, do
+        q = k = v = do = None  # freed before the next length
         torch.cuda.empty_cache()
     return rows
 
@@ -160,7 +161,8 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     flex_ms = {r["seq"]: r["ms"] for r in rows if r["variant"] == "flex_dense" and "ms" in r}
     print(f"\n{meta}")
-    print(f"{'seq':>7} {'variant':>16} {'W':>2} {'ms':>10} {'TFLOP/s':>8} {'vs flex':>8} {'imbal':>6}  per-step fwd/bwd max (ms)")
+    print(f"{'seq':>7} {'variant':>16} {'W':>2} {'ms':>10} {'TFLOP/s':>8} {'vs flex':>8} {'imbal':>6}  "
+          "per-step fwd/bwd max (ms)")
     for r in rows:
         if "error" in r:
             print(f"{r['seq']:>7} {r['variant']:>16} {r['world']:>2} {r['error']}")

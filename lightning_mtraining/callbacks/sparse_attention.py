@@ -10,11 +10,11 @@ attention mass the patterns keep) to the progress bar and every logger, plus the
 attention: a sparse step then costs about a dense one's), rank 0 logs that once, with what to do instead
 (:meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.dense_cost_note`).
 
-:class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so models
-built there are covered), and adds one with the default options when a run is sparse and none was given. The
+:class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so
+models built there are covered), and adds one with the default options when a run is sparse and none was given. The
 schedule itself (warm-up, dense layers, the per-forward pattern, the measurements) is Lightning-free
-(:mod:`lightning_mtraining.sparsity.schedule`): with Fabric, pass this object as ``MTrainingFabricStrategy(attention=...)``
-for its options and read ``fabric.strategy.attention_metrics()``.
+(:mod:`lightning_mtraining.sparsity.schedule`): with Fabric, pass this object as
+``MTrainingFabricStrategy(attention=...)`` for its options and read ``fabric.strategy.attention_metrics()``.
 
 Example::
 
@@ -28,7 +28,8 @@ Example::
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 __all__ = ["warn_moved"]
 
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first caller of ``__getattr__`` outside the import machinery."""
-    frame, level = sys._getframe(3), 3  # 1: this function, 2: warn_moved, 3: __getattr__'s caller
+    frame: FrameType | None = sys._getframe(3)  # 1: this function, 2: warn_moved, 3: __getattr__'s caller
+    level = 3
     while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
         frame, level = frame.f_back, level + 1
     return level

@@ -96,13 +96,13 @@ class PretrainedSource:
     def name(self) -> str:
         """A short readable name: the GGUF file's or folder's stem, or the hub id."""
         if self.kind == "gguf":
-            return Path(self.gguf_file).stem
+            return Path(str(self.gguf_file)).stem
         return Path(self.location).name if self.kind == "folder" else self.location
 
     @property
     def path(self) -> str:
         """The GGUF file's full path, or ``location``."""
-        return os.path.join(self.location, self.gguf_file) if self.kind == "gguf" else self.location
+        return os.path.join(self.location, str(self.gguf_file)) if self.kind == "gguf" else self.location
 
 
 def packaged_gguf() -> Path:

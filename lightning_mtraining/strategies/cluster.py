@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import shlex
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def trainer_config(
     }
 
 
-def to_yaml(config: Mapping[str, Any], comments: str | list[str] = ()) -> str:
+def to_yaml(config: Mapping[str, Any], comments: str | Sequence[str] = ()) -> str:
     """``config`` as YAML in its own key order, under ``comments`` (each line written as a ``#`` comment)."""
     import yaml  # a dependency of Lightning (LightningCLI reads YAML with it)
 
@@ -319,7 +319,7 @@ def _as_torchrun_rank(rank: int, nodes: int, devices: int) -> Iterator[None]:
     quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [logger.level for logger in quiet]
     # the strategy sets the rank rank_zero_info prints on: this process's own once the simulated rank is done
-    zero = [(module.rank_zero_only, getattr(module.rank_zero_only, "rank", None))
+    zero: list[tuple[Any, Any]] = [(module.rank_zero_only, getattr(module.rank_zero_only, "rank", None))
             for module in (fabric_rank_zero, utilities_rank_zero)]
     try:
         for name in _TORCHRUN_VARS:
@@ -349,7 +349,8 @@ def _fake_process_group(rank: int, world: int) -> None:
     try:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     except ImportError as error:
-        raise RuntimeError(f"simulate_cluster needs torch's fake process group, which this torch lacks ({error})") from error
+        raise RuntimeError(f"simulate_cluster needs torch's fake process group, which this torch lacks "
+                           f"({error})") from error
     dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
 
 
@@ -410,7 +411,7 @@ def describe_simulation(ranks: list[SimulatedRank], devices: int) -> list[str]:
     lines = [ranks[0].mesh_line]
     for r in ranks:
         groups = "; ".join(f"{name} [{_ranges(g)}]" for name, g in r.groups.items())
-        rings = f"; inner ring [{_ranges(r.inner)}], outer ring [{_ranges(r.outer)}]" if r.inner else ""
+        rings = f"; inner ring [{_ranges(r.inner)}], outer ring [{_ranges(r.outer)}]" if r.inner and r.outer else ""
         lines.append(f"  rank {r.rank} (node {r.node}, local rank {r.local_rank}): {groups}{rings}")
 
     def inside_a_node(group: tuple[int, ...]) -> bool:

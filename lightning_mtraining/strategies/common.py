@@ -12,8 +12,8 @@ import gc
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -32,7 +32,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,

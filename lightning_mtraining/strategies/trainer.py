@@ -74,6 +74,8 @@ class TrainerStepHooks:
     :mod:`lightning_mtraining.strategies.launchers`). Placed before the Lightning strategy in the bases; needs
     :class:`ContextParallelMixin` and ``options.gather_outputs`` and ``options.offload_activations``."""
 
+    _offload: ActivationOffload | None = None  # offload_activations=N: built at the first training step
+
     def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
         """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
 

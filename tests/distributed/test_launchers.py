@@ -11,8 +11,8 @@ their launcher's variables; Lightning's launcher starts processes as a fresh ``p
 - Studio: the platform runs the command once per machine with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
   Lightning (``LightningEnvironment``) starts the machine's second process itself.
 - torchrun: every process gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``,
-  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``. (``tests/distributed/test_multinode.py`` runs
-  real torchrun agents.)
+  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``.
+  (``tests/distributed/test_multinode.py`` runs real torchrun agents.)
 - SLURM: every process gets srun's variables (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
   ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_NNODES``, ``SLURM_JOB_ID``, ``SLURM_NODELIST``);
   ``SLURMEnvironment`` takes the main address from the node list and the port from the job id.
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.launch import clean_env, free_port
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -38,7 +39,8 @@ HIER_LINE = ("MTrainingStrategy: world 4 (2 nodes x 2) = dp 1 x cp 4, hierarchic
              "inner (within a node), striped layout (block 4)")
 
 def run_processes(tmp_path: Path, envs: list[dict[str, str]], timeout: float = 240) -> str:
-    """Start one process per environment (forked by ``helpers/launch_worker.py`` after its imports), wait for all of them;
+    """Start one process per environment (forked by ``helpers/launch_worker.py`` after its imports), wait for all of
+    them;
     returns their output."""
     envs_file = tmp_path / "envs.json"
     envs_file.write_text(json.dumps(envs))

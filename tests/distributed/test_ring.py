@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.references import dense_reference
-
 from lightning_mtraining import global_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.ring.block_ops import TorchBlockOp, merge_attention, tile_classes
@@ -228,5 +228,6 @@ def test_fused_cpu_path_equals_plain_path(layout, w, r, src):
     torch.testing.assert_close(of, op_, rtol=0, atol=1e-5)
     # backward with the final lse of a full ring: here the block's own lse, made finite where rows saw nothing
     lse = torch.where(finite, lp, torch.zeros_like(lp))
-    for a, b in zip(fused.backward(q, k, v, op_, lse, do, qp, kp, 0.3), plain.backward(q, k, v, op_, lse, do, qp, kp, 0.3)):
+    for a, b in zip(fused.backward(q, k, v, op_, lse, do, qp, kp, 0.3),
+                    plain.backward(q, k, v, op_, lse, do, qp, kp, 0.3)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

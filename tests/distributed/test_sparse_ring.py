@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.ops import CountingOp
-
 from lightning_mtraining import ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.ring.block_ops import TorchBlockOp
@@ -213,7 +213,7 @@ def worker_counts(rank, w):
 def test_exact_counts_of_p2p_collectives_and_skipped_steps():
     w = 3
     per_rank = run_distributed(worker_counts, w)
-    for rank, res in enumerate(per_rank):
+    for res in per_rank:
         fwd, bwd, calls = res["given"]
         # forward: W - 1 K/V transfers; backward: W - 1 K/V transfers and W dK/dV transfers; no collective
         assert fwd == {"batch_isend_irecv": w - 1}, fwd

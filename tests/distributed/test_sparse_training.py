@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import (
     elastic_env,
@@ -132,9 +133,9 @@ def test_registered_names_and_default_callback():
 
 
 def fabric_sparse(world_size: int) -> dict[str, Any]:
-    from helpers.models import make_model
     from lightning.fabric import Fabric
 
+    from helpers.models import make_model
     from lightning_mtraining import MTrainingFabricStrategy, SparseAttentionCallback, SparsityConfig
 
     quiet()

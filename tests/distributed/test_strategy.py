@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.models import make_model
 from helpers.training import (
@@ -75,7 +76,7 @@ def test_sizes_must_fit_world():
                                  parallel_devices=[torch.device("cpu")] * 3)
     strategy.cluster_environment.set_world_size(6)
     with pytest.raises(ValueError, match="context_parallel_size=4 does not divide the world size 6"):
-        strategy.distributed_sampler_kwargs
+        _ = strategy.distributed_sampler_kwargs
     strategy = MTrainingStrategy(context_parallel_size=3, cluster_environment=LightningEnvironment(),
                                  parallel_devices=[torch.device("cpu")] * 3)
     strategy.cluster_environment.set_world_size(6)
@@ -139,8 +140,8 @@ def test_bad_batch_and_model_errors():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="contains no transformers PreTrainedModel"):
         trainer.fit(NoHF(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
 
@@ -312,9 +313,9 @@ def test_attention_callback_per_layer_options_with_configure_model():
     assert [layer.self_attn._mtraining_ring.sparsity for layer in model.model.layers] == [None, budgets]
 
     def trainer(cb):
-        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None), max_steps=1,
-                         callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, log_every_n_steps=1)
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None),
+                         max_steps=1, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
 
     loader = torch.utils.data.DataLoader(make_samples(2, 40), batch_size=2)
     t = trainer(callback)

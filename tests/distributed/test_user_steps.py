@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import (
     VOCAB,
@@ -83,8 +84,8 @@ def _trainer(world_size: int, **strategy_kwargs: Any):
     from lightning_mtraining import MTrainingStrategy
 
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}), max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
 
 

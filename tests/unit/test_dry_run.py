@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers.scripts import ROOT
 
 
@@ -80,6 +81,8 @@ def test_the_cli_checks_the_ready_made_2m_config_and_refuses_a_bad_one():
     assert out.count("  rank ") == 32 and "  rank 9 (node 1, local rank 1): dp [9]; cp [0..31]; inner ring [8..15], " \
                                           "outer ring [1, 9, 17, 25]" in out, out
     assert "model: Qwen2ForCausalLM (36 layers, 16 query / 2 KV heads)" in out and out.rstrip().endswith("check passed")
-    bad = _check("--config", "examples/configs/cluster_4x8_2m.yaml", "--trainer.strategy.init_args.inner_ring_size", "3")
+    bad = _check("--config", "examples/configs/cluster_4x8_2m.yaml",
+                 "--trainer.strategy.init_args.inner_ring_size", "3")
     assert bad.returncode == 1 and "check passed" not in bad.stdout
-    assert "check failed: ValueError: inner_ring_size=3 does not divide context_parallel_size=32" in bad.stderr, bad.stderr
+    want = "check failed: ValueError: inner_ring_size=3 does not divide context_parallel_size=32"
+    assert want in bad.stderr, bad.stderr

@@ -20,8 +20,8 @@ import time
 
 import pytest
 import torch
-from helpers.models import make_model
 
+from helpers.models import make_model
 from lightning_mtraining.core.errors import FULL_TRACEBACK_ENV, SameOnRanks, format_failure, mark_same_on_ranks
 
 
@@ -211,12 +211,14 @@ def test_at_exit_children_are_ended_only_after_an_uncaught_failure(monkeypatch):
 
 
 # Note [The first failure speaks last]: the store protocol with in-process stores, the report's lines, and a process
-# that is told (it prints one line, then nothing). The 2-rank Trainer run: tests/distributed/test_failures_across_ranks.py.
+# that is told (it prints one line, then nothing). The 2-rank Trainer run:
+# tests/distributed/test_failures_across_ranks.py.
 
 def _store():
     from datetime import timedelta
 
     import torch.distributed as dist
+
     from helpers.dist import free_port
 
     port = free_port()

@@ -187,7 +187,8 @@ def test_names_exported_before_the_split_still_resolve_with_a_deprecation_warnin
 
     for name, module in lm._DEPRECATED.items():
         layer = ".".join(module.split(".")[:2])
-        with pytest.warns(DeprecationWarning, match=rf"^lightning_mtraining\.{name} is deprecated: use {layer}\.{name}$"):
+        want = rf"^lightning_mtraining\.{name} is deprecated: use {layer}\.{name}$"
+        with pytest.warns(DeprecationWarning, match=want):
             value = getattr(lm, name)
         assert value is getattr(__import__(layer, fromlist=[name]), name)
         assert name not in dir(lm) and name not in lm.__all__

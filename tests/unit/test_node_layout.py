@@ -89,8 +89,8 @@ def test_without_the_launchers_counts_each_rank_checks_its_own_place(monkeypatch
                                          r"Environment\), but with devices=1 a node runs local ranks 0..0 only"):
         _trainer(MTrainingStrategy, 1, 2)
     _torchrun(monkeypatch, _without_counts(TWO_NODES_ONE_PROCESS))
-    with pytest.raises(ValueError, match=r"global rank 1 runs on node 1 \(TorchElasticEnvironment\), but with devices=2 "
-                                         r"and num_nodes=1 the strategy takes node 0 to hold ranks 0..1"):
+    with pytest.raises(ValueError, match=r"global rank 1 runs on node 1 \(TorchElasticEnvironment\), but with "
+                                         r"devices=2 and num_nodes=1 the strategy takes node 0 to hold ranks 0..1"):
         _trainer(MTrainingStrategy, 2, 1)
 
 

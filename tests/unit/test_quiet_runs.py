@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+
 from helpers.models import make_model
 
 LEAFSPEC = "is deprecated, use `isinstance(treespec, TreeSpec) and treespec.is_leaf()`"

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+
 from helpers.scripts import ROOT, load_script
 
 torch_install = load_script("scripts/torch_install.py", "torch_install")
