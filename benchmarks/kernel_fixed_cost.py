@@ -6,7 +6,7 @@ heads, head dim 128), bf16. Timing forward and forward+backward for n = 1, 2, 4,
 separates the fixed cost of a launch of 4096 programs (``a``: loading Q and the lists, the loops' pipeline fills,
 the epilogue, the wave tail) from the cost per key tile (``b``). Both are printed per config and written as JSON.
 
-Commands (GPU, via the device tool; repo root)::
+Commands (on a GPU; repo root)::
 
     python benchmarks/kernel_fixed_cost.py --out $OUT/fixed.json
     # one forward+backward of the kernel_sparse.py pattern at 32K/2%, for Nsight Compute:

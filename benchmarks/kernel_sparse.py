@@ -1,7 +1,7 @@
 """Benchmark: vertical-slash sparse attention (Triton) against SDPA flash, FlexAttention dense causal and
 FlexAttention with the covering BlockMask, forward + backward, Qwen2.5-3B attention shape, bf16, batch 1.
 
-Command (GPU, via the device tool)::
+Command (on a GPU)::
 
     python benchmarks/kernel_sparse.py --seqlens 32768 131072 --fractions 0.02 0.05 0.1 0.2 --out $OUT/ks.json
     python benchmarks/kernel_sparse.py --seqlens 524288 --fractions 0.02 0.05 --anchors flex,cover --out $OUT/ks512.json
