@@ -332,9 +332,10 @@ def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]
     return kept[-_MAX_FRAMES:]
 
 
-def format_first_failure(exc: BaseException, first: FirstFailure, world_size: int) -> str:
+def format_first_failure(exc: BaseException, first: FirstFailure, world_size: int, told: bool = True) -> str:
     """What the rank that failed first prints (Note [The first failure speaks last]): the user's frames, the
-    message, and its rank and step; under 30 lines."""
+    message, and its rank and step; under 30 lines. ``told``: every other rank said its one line (else some had
+    ended before, or do not answer)."""
     prefix = f"[rank{first.rank}]: "
     frames = _user_frames(traceback.extract_tb(exc.__traceback__))
     lines = ["Traceback (the frames of your code and where it was raised; Lightning's and torch's left out):"]
@@ -346,7 +347,12 @@ def format_first_failure(exc: BaseException, first: FirstFailure, world_size: in
     if len(message) > _MAX_MESSAGE_LINES:
         message = message[:_MAX_MESSAGE_LINES] + [f"... ({len(message) - _MAX_MESSAGE_LINES} more lines)"]
     lines += message
-    others = "; the other ranks stopped with one line each" if world_size > 1 else ""
+    if world_size == 1:
+        others = ""
+    elif told:
+        others = "; the other ranks stopped with one line each"
+    else:
+        others = "; not every other rank answered (ended already, or stuck)"
     lines.append(f"rank {first.rank} failed first{first.where()}{others}; the full traceback: {FULL_TRACEBACK_ENV}=1")
     return "".join(f"{prefix}{line}\n" for line in lines)
 
@@ -379,10 +385,10 @@ class _ExceptHook:
             if first.rank != _WATCH.rank:
                 _WATCH.tell(first)
                 return True
-            _WATCH.wait_for_the_others()
+            told = _WATCH.wait_for_the_others()
         except Exception:
             return False
-        sys.stderr.write(format_first_failure(exc, first, _WATCH.world_size))
+        sys.stderr.write(format_first_failure(exc, first, _WATCH.world_size, told))
         return True
 
 

@@ -260,6 +260,8 @@ def test_the_first_failures_report_is_short_names_the_users_frame_its_rank_and_s
     assert lines[-3:-1] == ["[rank1]: RuntimeError: rank 1 fails at step 2", "[rank1]: second line"], text
     assert lines[-1].startswith("[rank1]: rank 1 failed first at step 2; the other ranks stopped with one line each")
     assert f"{FULL_TRACEBACK_ENV}=1" in lines[-1]
+    alone = format_first_failure(exc, FirstFailure(1, 2, "fit", "x"), 2, told=False).splitlines()[-1]
+    assert "not every other rank answered (ended already, or stuck)" in alone
     deep = _raised("x" * 50 + "\n" * 40)  # a long message is cut
     assert len(format_first_failure(deep, FirstFailure(0, None, None, "x"), 2).splitlines()) < 30
 
