@@ -256,7 +256,8 @@ def test_sizes_and_sparse_settings_fail_at_construction():
         with pytest.raises(ValueError, match="block_size=64 is not a multiple of it") as info:
             build()
         assert len(str(info.value)) < 500 and info.value.__suppress_context__
-    with pytest.raises(TypeError, match=r"sparsity=...\) must be a SparsityConfig or None"):
+    with pytest.raises(TypeError,
+                       match=r"sparsity=...\) must be a SparsityConfig, a spec string such as .paper., or None"):
         MTrainingStrategy(sparsity={"top_p": 0.9})
 
 
