@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  if "$PY" scripts/torch_install.py --check >/dev/null 2>&1; then
+  if "$PY" scripts/torch_install.py --check --inherit >/dev/null 2>&1; then
     "$PY" -m venv --system-site-packages .venv   # keep the torch this Python has
   else
     "$PY" -m venv .venv

@@ -3,6 +3,7 @@ environment already has when ``pyproject.toml`` admits its version, the default 
 
     python scripts/torch_install.py           # the pip arguments that install torch, one a line; none: keep it
     python scripts/torch_install.py --check   # exit 0 when the torch installed here is one pyproject.toml admits
+    python scripts/torch_install.py --check --inherit   # ... and a new venv made from this Python would see it
 
 Rules, in order (:func:`torch_install_args`, tested in ``tests/unit/test_setup.py``):
 
@@ -94,6 +95,13 @@ def index_answers(url: str = CPU_INDEX, timeout: float = PROBE_TIMEOUT_S) -> boo
         return False
 
 
+def venv_would_see(installed: str | None, spec: str, prefix: str, base_prefix: str) -> bool:
+    """Whether a venv made with ``--system-site-packages`` from this Python sees an admitted torch: only when the
+    torch is installed and this Python is not itself a venv's (``prefix == base_prefix``; a new venv sees its base
+    installation's packages, not another venv's)."""
+    return installed is not None and admits(installed, spec) and prefix == base_prefix
+
+
 def torch_install_args(installed: str | None, spec: str, cpu_index_answers: Callable[[], bool]) -> list[str]:
     """The ``pip install`` arguments for torch, or ``[]`` to keep the installed one (the module docstring's rules).
 
@@ -113,11 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="exit 0 when the installed torch is one pyproject.toml admits, 1 otherwise")
+    parser.add_argument("--inherit", action="store_true",
+                        help="with --check: also require that a venv made from this Python would see that torch")
     args = parser.parse_args(argv)
     spec, installed = torch_spec(), installed_torch()
     if args.check:
-        ok = installed is not None and admits(installed, spec)
-        print(f"torch {installed or '(none)'}: {'admitted' if ok else 'not admitted'} by pyproject.toml ({spec})")
+        admitted = installed is not None and admits(installed, spec)
+        ok = venv_would_see(installed, spec, sys.prefix, sys.base_prefix) if args.inherit else admitted
+        where = " (in a venv: a new venv would not see it)" if admitted and not ok else ""
+        print(f"torch {installed or '(none)'}: {'admitted' if admitted else 'not admitted'} by pyproject.toml "
+              f"({spec}){where}")
         return 0 if ok else 1
     print("\n".join(torch_install_args(installed, spec, index_answers)))
     return 0

@@ -41,6 +41,13 @@ def test_otherwise_the_cpu_index_when_it_answers_else_the_default_index(installe
     assert torch_install.admits(torch_install.TORCH_PIN, SPEC)  # the pin itself is admitted (rule 1 keeps it)
 
 
+def test_a_new_venv_keeps_the_base_pythons_torch_but_not_another_venvs():
+    assert torch_install.venv_would_see("2.11.0+cu130", SPEC, "/usr", "/usr")  # a GPU image's system Python
+    assert not torch_install.venv_would_see("2.11.0+cu130", SPEC, "/work/.venv", "/usr")  # a venv's Python
+    assert not torch_install.venv_would_see("2.5.0", SPEC, "/usr", "/usr")
+    assert not torch_install.venv_would_see(None, SPEC, "/usr", "/usr")
+
+
 def test_the_range_is_pyproject_tomls_and_versions_compare_by_release():
     assert torch_install.torch_spec(ROOT / "pyproject.toml") == SPEC
     assert torch_install.release("2.13.0+cpu") == (2, 13, 0) and torch_install.release("2.14.0rc1") == (2, 14, 0)
