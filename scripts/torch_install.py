@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch {installed or '(none)'}: {'admitted' if admitted else 'not admitted'} by pyproject.toml "
               f"({spec}){where}")
         return 0 if ok else 1
-    print("\n".join(torch_install_args(installed, spec, index_answers)))
+    for arg in torch_install_args(installed, spec, index_answers):  # nothing at all when the torch is kept
+        print(arg)
     return 0
 
 

@@ -80,3 +80,12 @@ def test_the_probe_answers_for_a_live_index_and_gives_up_on_a_dead_one():
     start = time.perf_counter()
     assert not torch_install.index_answers(f"http://127.0.0.1:{closed}/whl/cpu", timeout=2)
     assert time.perf_counter() - start < 2.5
+
+
+def test_the_script_prints_one_argument_a_line_and_nothing_when_the_torch_is_kept(monkeypatch, capsys):
+    """``setup.sh`` reads the output with ``mapfile``: an empty line would become an empty pip argument."""
+    monkeypatch.setattr(torch_install, "installed_torch", lambda: "2.13.0+cpu")
+    assert torch_install.main([]) == 0 and capsys.readouterr().out == ""
+    monkeypatch.setattr(torch_install, "installed_torch", lambda: None)
+    monkeypatch.setattr(torch_install, "index_answers", lambda *a, **k: False)
+    assert torch_install.main([]) == 0 and capsys.readouterr().out == f"torch=={torch_install.TORCH_PIN}\n"
