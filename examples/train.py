@@ -29,7 +29,7 @@ extends the model's context (``yarn:4``: 8K -> 32K). A pretrained model wants a 
 
 
 Multi-node: the same command on every node with ``--num-nodes N`` under torchrun, SLURM or a Lightning Studio
-multi-machine job (Lightning's cluster environments pick up the ranks; README "From one GPU to a cluster"), e.g.
+multi-machine job (Lightning's cluster environments pick up the ranks; docs/cluster.md), e.g.
 ``torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HOST examples/train.py --accelerator gpu
 --devices 8 --num-nodes 2 ...``.
 

@@ -116,7 +116,8 @@ def unmarked_loss_message(owner: str, cp_size: int, layout: str) -> str:
         "`self.model(**batch).loss` (or pass labels=), or compute it with "
         "`lightning_mtraining.causal_lm_loss(logits, batch)`; per-token metrics: "
         "`lightning_mtraining.causal_lm_targets(batch)`. If your loss is right on shards by construction, pass "
-        "loss_check='warn' or 'off' to the strategy (README, 'What a step may do under context parallelism')."
+        "loss_check='warn' or 'off' to the strategy (docs/strategies-and-sparsity.md, 'What a step may do under "
+        "context parallelism')."
     )
 
 

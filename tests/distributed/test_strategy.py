@@ -215,17 +215,18 @@ def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[i
     return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
 
 
-def test_a_shuffled_loader_gives_one_devices_losses_as_the_readme_says():
-    """The README's recipe for comparing with one device: data-parallel size 1, ``use_distributed_sampler=False``
-    and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device run's samples in its order
-    and see its losses (2e-5, see the module docstring). Lightning's default injects a DistributedSampler with its
-    own shuffle, so the default run reads another order: the recipe is needed, not decoration."""
+def test_a_shuffled_loader_gives_one_devices_losses_as_the_docs_say():
+    """The recipe ``docs/guarantees.md`` gives for comparing with one device: data-parallel size 1,
+    ``use_distributed_sampler=False`` and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device
+    run's samples in its order and see its losses (2e-5, see the module docstring). Lightning's default injects a
+    DistributedSampler with its own shuffle, so the default run reads another order: the recipe is needed, not
+    decoration."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    promise = next(line for line in readme.splitlines() if "gives one device's losses and parameters" in line)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "guarantees.md").read_text()
+    promise = next(line for line in docs.splitlines() if "gives one device's losses and parameters" in line)
     for recipe_part in ("data-parallel size 1", "use_distributed_sampler=False", "generator=torch.Generator()"):
-        assert recipe_part in promise, recipe_part  # the README's promise says how to see it: this recipe
+        assert recipe_part in promise, recipe_part  # the guarantee says how to see it: this recipe
 
     one_device = _shuffled_fit(0, 1, True)
     for rank, runs in enumerate(run_distributed(_shuffled_worker, 2, timeout=300)):
