@@ -40,8 +40,7 @@ HIER_LINE = ("MTrainingStrategy: world 4 (2 nodes x 2) = dp 1 x cp 4, hierarchic
 
 def run_processes(tmp_path: Path, envs: list[dict[str, str]], timeout: float = 240) -> str:
     """Start one process per environment (forked by ``helpers/launch_worker.py`` after its imports), wait for all of
-    them;
-    returns their output."""
+    them; returns their output."""
     envs_file = tmp_path / "envs.json"
     envs_file.write_text(json.dumps(envs))
     argv = [sys.executable, str(WORKER), str(tmp_path), str(PER_NODE), str(NODES), str(envs_file)]

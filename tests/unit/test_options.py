@@ -1,6 +1,5 @@
 """One description of the strategies' shared options (lightning_mtraining.strategies.options): every strategy accepts
-every
-field it should, with the field's default and annotation, validates through it, and documents it."""
+every field it should, with the field's default and annotation, validates through it, and documents it."""
 
 import dataclasses
 import inspect
