@@ -288,8 +288,8 @@ def shard_batch(
         check_right_padding(mask)
         valid[:, :S] &= mask.bool()
         labels = batch.get("labels")
-        if labels is not None and _is_sequence_tensor(labels, B, S) and not labels.is_floating_point() and not bool(
-                valid[:, :S].all()):
+        if (labels is not None and _is_sequence_tensor(labels, B, S) and not labels.is_floating_point()
+                and not bool(valid[:, :S].all())):
             check_padded_labels(labels, ~valid[:, :S], ignore_index, "batch['labels']")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
