@@ -69,14 +69,15 @@ from pathlib import Path
 
 import torch
 
-from lightning_mtraining.sparsity import estimation
-from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
 from lightning_mtraining.core.layouts import shard_sequence
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity import estimation
 from lightning_mtraining.sparsity.attention import sparse_attention
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
-from _timing import median_ms as bench, write_results  # noqa: E402
+from _timing import median_ms as bench  # noqa: E402
+from _timing import write_results
 
 H, HKV, D = 16, 2, 128
 W_SIM = 8  # the simulated CP size of ``est8``
@@ -274,7 +275,7 @@ def run(args) -> tuple[dict, list[dict]]:
                     vertical_slash_attention(qg, kg, vg, tiles).backward(dout)
 
                 row["kern_fb_ms"] = bench(kern, device, [qg, kg, vg])
-                del tiles
+                tiles = None  # freed before the next config (a del would leave the name unbound for ruff)
             row["e2e_fb_ms"] = bench(e2e, device, [qg, kg, vg])
             denom = row.get("kern_fb_ms", row["e2e_fb_ms"])  # CPU smoke: the torch path is the only one
             row["ratio1"] = row["est1_ms"] / denom
@@ -287,7 +288,7 @@ def run(args) -> tuple[dict, list[dict]]:
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        del q, k, v, dout, qg, kg, vg
+        q = k = v = dout = qg = kg = vg = None  # freed before the next length
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return info, rows

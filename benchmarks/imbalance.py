@@ -4,9 +4,9 @@
         --plot benchmarks/data/imbalance_synthetic_128k_1m_2026-12-05.png
     python benchmarks/imbalance.py --patterns layers.pt --seq 524288 --out imbalance_estimated.json
 
-For every sequence length N, CP size W, layout (contiguous, zigzag, striped with 128-token blocks) and vertical
-mode, :func:`lightning_mtraining.sparsity.balance.ring_step_work` counts the exact allowed (query, key) pairs of every rank
-at every step of the ring's real schedule (flat, or hierarchical with ``--inner``), and
+For every sequence length N, CP size W, layout (contiguous, zigzag, striped with 128-token blocks) and vertical mode,
+:func:`lightning_mtraining.sparsity.balance.ring_step_work` counts the exact allowed (query, key) pairs of every rank at
+every step of the ring's real schedule (flat, or hierarchical with ``--inner``), and
 :func:`~lightning_mtraining.sparsity.balance.imbalance` reports
 
 - ``total``: max over mean of the ranks' whole work;
@@ -54,8 +54,8 @@ import time
 
 import torch
 
-from lightning_mtraining.sparsity.balance import imbalance, ring_step_work
 from lightning_mtraining.core.layouts import LAYOUTS
+from lightning_mtraining.sparsity.balance import imbalance, ring_step_work
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
 
 BUDGETS = [(1000, 6096, 310), (3500, 100, 107), (30, 800, 96), (100, 800, 44), (500, 700, 17), (100, 750, 2)]
@@ -108,10 +108,12 @@ def load_patterns(paths: list[str]) -> tuple[VerticalSlashPattern, int | None]:
     tiles = {p.tile_size for p, _ in items}
     batches = {p.batch_size for p, _ in items}
     if len(tiles) > 1 or len(batches) > 1:
-        raise ValueError(f"patterns to concatenate must share tile_size and batch; got tiles {tiles}, batches {batches}")
+        raise ValueError(f"patterns to concatenate must share tile_size and batch; got tiles {tiles}, batches "
+                         f"{batches}")
     lengths = {n for _, n in items if n is not None}
     if len(lengths) > 1:
-        raise ValueError(f"the patterns were estimated at different seq_len {sorted(lengths)}; load one length at a time")
+        raise ValueError(f"the patterns were estimated at different seq_len {sorted(lengths)}; load one length at a "
+                         "time")
 
     def cat(name: str) -> torch.Tensor:
         width = max(getattr(p, name).shape[-1] for p, _ in items)
@@ -119,7 +121,8 @@ def load_patterns(paths: list[str]) -> tuple[VerticalSlashPattern, int | None]:
                   for p, _ in items]
         return torch.cat(padded, dim=1)
 
-    return VerticalSlashPattern(cat("vertical_idx"), cat("slash_idx"), tiles.pop()), (lengths.pop() if lengths else None)
+    pattern = VerticalSlashPattern(cat("vertical_idx"), cat("slash_idx"), tiles.pop())
+    return pattern, (lengths.pop() if lengths else None)
 
 
 def measure(pattern: VerticalSlashPattern, source: str, seqs: list[int], worlds: list[int], layouts: list[str],

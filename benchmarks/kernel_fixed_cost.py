@@ -6,7 +6,7 @@ heads, head dim 128), bf16. Timing forward and forward+backward for n = 1, 2, 4,
 separates the fixed cost of a launch of 4096 programs (``a``: loading Q and the lists, the loops' pipeline fills,
 the epilogue, the wave tail) from the cost per key tile (``b``). Both are printed per config and written as JSON.
 
-Commands (GPU, via the device tool; repo root)::
+Commands (on a GPU; repo root)::
 
     python benchmarks/kernel_fixed_cost.py --out $OUT/fixed.json
     # one forward+backward of the kernel_sparse.py pattern at 32K/2%, for Nsight Compute:
@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_sparse import D, H, HKV, _config, fit_pattern  # noqa: E402
+from kernel_sparse import HKV, D, H, _config, fit_pattern  # noqa: E402
 
 from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists  # noqa: E402
 from mtraining_kernels.vertical_slash import vertical_slash_attention  # noqa: E402

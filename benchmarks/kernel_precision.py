@@ -10,7 +10,7 @@ asserts ratio <= 2 (flash-attention's rule) plus a small floor; this script show
 tests run the cases without a config through the public ``sparse_attention``, which on CUDA makes the same
 ``vertical_slash_attention`` call with the same tile lists and scale as this script.)
 
-Command (GPU, via the device tool; repo root, with ``kernels/`` importable as ``mtraining_kernels``)::
+Command (on a GPU; repo root, with ``kernels/`` importable as ``mtraining_kernels``)::
 
     python benchmarks/kernel_precision.py --out $OUT/precision.json
 """

@@ -123,7 +123,7 @@ def main() -> None:
               f" {fmt(r['step_ms']):>8} {fmt(r['layer_ms']):>9} {fmt(r['batched_ms']):>10}"
               f" {fmt(r['step_host_ms']):>9} {fmt(r['layer_host_ms']):>10} {fmt(r['batched_host_ms']):>10}")
     info = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 cpu_smoke=args.cpu_smoke)
     try:
         import triton

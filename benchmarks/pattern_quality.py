@@ -94,8 +94,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as s
 from _timing import median_ms  # noqa: E402
 
 from lightning_mtraining import data  # noqa: E402
-from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern  # noqa: E402
 from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern  # noqa: E402
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
 
 ATTENTION_NAME = "pattern_quality_capture"  # no "flash" in it: transformers would fetch a hub kernel by that name
@@ -164,7 +164,8 @@ def heldout_windows(data_dir: str, seqlens: list[int], offset: int) -> dict[int,
     first = out[min(seqlens)]
     for n, ids in out.items():  # the index arithmetic above is right iff the windows are prefixes of each other
         if not torch.equal(ids[:, : first.shape[1]], first):
-            raise RuntimeError(f"held-out window of {n} tokens does not start where the {first.shape[1]}-token one does")
+            raise RuntimeError(f"held-out window of {n} tokens does not start where the {first.shape[1]}-token one "
+                               "does")
     return out
 
 
@@ -221,8 +222,8 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
         with torch.no_grad():
             losses[n] = model(input_ids=ids, labels=ids).loss.item()
         recorder.recording = False
-        print(f"[{state}] {n // 1024}K tokens: held-out loss {losses[n]:.4f} (forward {time.perf_counter() - t0:.1f} s)",
-              flush=True)
+        print(f"[{state}] {n // 1024}K tokens: held-out loss {losses[n]:.4f} "
+              f"(forward {time.perf_counter() - t0:.1f} s)", flush=True)
         for layer in sorted(recorder.qk):
             q, k, scale = recorder.qk[layer]
             if layer == 0:  # the recall of a pattern that covers everything must be 1 (rows' softmax sums to 1)
@@ -231,7 +232,8 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
                 if not torch.allclose(one, torch.ones_like(one), atol=1e-4):
                     raise RuntimeError(f"attention_recall of the full pattern is {one.tolist()}, not 1")
             for name, cfg in cfgs.items():
-                est_ms = median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU) if args.time_estimate else None
+                est_ms = (median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU) if args.time_estimate
+                          else None)
                 pattern = estimate_pattern(q, k, cfg, scale=scale)
                 t0 = time.perf_counter()
                 recall = attention_recall(q, k, pattern, rows=args.rows, scale=scale)[0]
@@ -426,10 +428,10 @@ def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
 class MaskedSparseAttention:
     """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
     with it applied as a dense boolean mask (SDPA, one query head at a time), which is what
-    :func:`lightning_mtraining.sparse_attention` computes (DESIGN.md: sparse results are checked against the same
-    pattern applied as a dense mask; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
-    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal
-    is, :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
+    :func:`lightning_mtraining.sparse_attention` computes (sparse results are checked against the same pattern applied
+    as a dense mask throughout the tests; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
+    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal is,
+    :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
     and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens."""
 
     def __init__(self, config: SparsityConfig, rows: int = 4096) -> None:
@@ -482,8 +484,9 @@ def masked_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
 
 def main_pretrained(args) -> dict:
     """Density, recall and the sparse forward's loss of a pretrained model's estimated patterns, no training."""
-    from lightning_mtraining.hf.pretrained import load_pretrained, resolve_pretrained
     from transformers import AttentionInterface
+
+    from lightning_mtraining.hf.pretrained import load_pretrained, resolve_pretrained
 
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -560,7 +563,8 @@ def main_pretrained(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", default=None, help="built corpus (default: lightning_mtraining.data.corpus's default)")
+    ap.add_argument("--data-dir", default=None,
+                    help="built corpus (default: lightning_mtraining.data.corpus's default)")
     ap.add_argument("--model-size", default="small", help="a key of examples/train.py's MODEL_SIZES")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--train-seq", type=int, default=8192)

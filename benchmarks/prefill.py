@@ -33,13 +33,13 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
-from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.hf.prefill import sparse_prefill_attention
+from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.estimation import attention_recall, estimate_pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms, write_results  # noqa: E402
-from estimation import D, H, HKV, peaked_qk  # noqa: E402
+from estimation import HKV, D, H, peaked_qk  # noqa: E402
 
 
 def configs(args) -> dict[str, SparsityConfig]:

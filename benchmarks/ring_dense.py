@@ -5,7 +5,8 @@
 Shape: Qwen2.5-3B attention (16 query heads, 2 KV heads, head dim 128), bf16, batch 1, causal.
 Measured in one run, side by side:
 
-- ``sdpa_flash``: single-GPU SDPA with the flash backend (forward+backward), the anchor of ENVIRONMENT.md.
+- ``sdpa_flash``: single-GPU SDPA with the flash backend (forward+backward): the dense anchor (H100, 16 heads of
+  128 at 16K-64K: 305-326 TFLOP/s, where SDPA's default backend, cuDNN, reaches 550-567).
 - ``flex_dense``: single-GPU FlexAttention, dense causal BlockMask (compiled), forward+backward.
 - ``ring_w1_OP``: the production ``ring_attention`` at world size 1 (no process group), forward+backward, with
   block op OP (``flex``: FlexAttention; ``triton``: this project's Triton kernels, dense tile lists).
@@ -14,7 +15,8 @@ Measured in one run, side by side:
   (what a real ring costs if communication is hidden), ``mean_rank`` = mean over ranks of their total,
   ``imbalance`` = max/mean of the per-rank totals.
 
-FLOPs: 4*S*S*D*H/2 forward for causal attention, x3.5 for forward+backward (DESIGN.md). For the ring the same
+FLOPs: 4*S*S*D*H/2 forward for causal attention, x3.5 for forward+backward (the backward does 2.5 times the
+forward's matmul work: dq, dk, dv and the recomputed scores). For the ring the same
 useful FLOPs are divided by the critical path times W (it is W GPUs' worth of time).
 """
 
@@ -29,8 +31,8 @@ import time
 import torch
 
 from lightning_mtraining import ring_attention
-from lightning_mtraining.ring.block_ops import FlexBlockOp
 from lightning_mtraining.core.layouts import shard_sequence
+from lightning_mtraining.ring.block_ops import FlexBlockOp
 from lightning_mtraining.ring.simulated import SimulatedRing
 
 H, HKV, D = 16, 2, 128
@@ -101,7 +103,8 @@ def run(seqs, worlds, reps, block_size, inner, op_names=("flex",), anchors=True)
         if anchors:
             singles.insert(0, ("sdpa_flash", sdpa_flash))
         for op_name, op in ops.items():
-            singles.append((f"ring_w1_{op_name}", lambda a, b, c, op=op: ring_attention(a, b, c, block_size=block_size, op=op)))
+            singles.append((f"ring_w1_{op_name}",
+                            lambda a, b, c, op=op: ring_attention(a, b, c, block_size=block_size, op=op)))
         for name, attn in singles:
             try:
                 ms = bench(lambda: fwd_bwd(attn, q, k, v, do), reps)
@@ -132,9 +135,9 @@ def run(seqs, worlds, reps, block_size, inner, op_names=("flex",), anchors=True)
                              "tflops": flops(seq) / (critical * w) / 1e9})
             except torch.OutOfMemoryError as e:
                 rows.append({**base, "variant": f"sim_w{w}_{op_name}", "world": w, "error": f"OOM: {e}"[:200]})
-            del sim
+            sim = None  # freed before the next world size (a del would leave the name unbound for ruff)
             torch.cuda.empty_cache()
-        del q, k, v, do
+        q = k = v = do = None  # freed before the next length
         torch.cuda.empty_cache()
     return rows
 
@@ -158,7 +161,8 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     flex_ms = {r["seq"]: r["ms"] for r in rows if r["variant"] == "flex_dense" and "ms" in r}
     print(f"\n{meta}")
-    print(f"{'seq':>7} {'variant':>16} {'W':>2} {'ms':>10} {'TFLOP/s':>8} {'vs flex':>8} {'imbal':>6}  per-step fwd/bwd max (ms)")
+    print(f"{'seq':>7} {'variant':>16} {'W':>2} {'ms':>10} {'TFLOP/s':>8} {'vs flex':>8} {'imbal':>6}  "
+          "per-step fwd/bwd max (ms)")
     for r in rows:
         if "error" in r:
             print(f"{r['seq']:>7} {r['variant']:>16} {r['world']:>2} {r['error']}")

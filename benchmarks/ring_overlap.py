@@ -39,9 +39,10 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from lightning_mtraining import RingTrace, ring_attention, shard_sequence, unshard_sequence  # noqa: E402
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
+from lightning_mtraining import ring_attention, shard_sequence, unshard_sequence  # noqa: E402
+from lightning_mtraining.ring import RingTrace  # noqa: E402
 from lightning_mtraining.sparsity.attention import sparse_attention  # noqa: E402
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern  # noqa: E402
 
 
 def _groups(world: int, inner: int) -> tuple:
@@ -174,7 +175,7 @@ def main() -> None:
                                          ("hier" if args.inner and args.inner < world else "flat"))
         rows.append(row)
     if rank == 0:
-        info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        info = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "torch": torch.__version__, "python": platform.python_version(), "world": world, "seq": n,
                 "inner": args.inner, "device": torch.cuda.get_device_name() if not smoke else "cpu (gloo)",
                 "args": vars(args)}

@@ -1,8 +1,8 @@
 """Scale model: predicted attention and training step time of dense ring, flat sparse ring and hierarchical sparse
 ring attention on 1 x 8 to 32 x 8 GPUs, 128K to 4M tokens; a check against the MTraining paper; a planner.
 
-A model, not a measurement: no multi-GPU machine has run any of this. It replaces ``ring_cost_model.py`` (one home
-for the model). Commands (CPU, repo root, ``kernels/`` importable as ``mtraining_kernels``)::
+A model, not a measurement: no multi-GPU machine has run any of this. Commands (CPU, repo root, ``kernels/`` importable
+as ``mtraining_kernels``)::
 
     python benchmarks/scale_model.py grid --out benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.json \\
         --plot benchmarks/data/scale_model_qwen2.5-3b_h100_ndr_2026-12-06.png
@@ -61,7 +61,10 @@ on one H100 (Qwen2.5-3B, checkpointing, bf16-true: 18.6 / 26.8 / 47.2 GiB at 32K
 scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``). With
 activation offload the checkpointed inputs of the fewest layers that make a GPU's share fit are counted in host
 memory instead (``offload_activations=N``, or ``True`` for all; within ``--host-mem-gib`` a node when given; a rule,
-not fitted to a measurement; the host-device copies are not in the step time).
+not fitted to a measurement). Their host-device copies are in the step time: out in the forward, back in the backward,
+``2 x bytes / host_gbs``, not overlapped (they run on the compute stream), ``Hardware.host_gbs`` 25 GB/s per GPU each
+way by default (pinned memory over PCIe; ``--host-gbs``; a rule, not measured here). The plan prefers candidates that
+fit without offload; where an offloading one predicts more tokens/s, the plan names it and why it was not chosen.
 
 Planner output: the table, then the best candidate as a LightningCLI config for ``examples/cli.py`` (``plan_config``:
 the strategy, activation checkpointing, offload where memory needs it, devices and nodes, the model's shape, the
@@ -86,9 +89,9 @@ DATA = HERE / "data"
 SPARSE_RING_FILES = ("sparse_ring_128k_w8_vertical_step_h100_2026-12-05.json",
                      "sparse_ring_512k_w32_vertical_step_h100_2026-12-05.json")
 TRAIN_FILE = "train_throughput_liger_budget_h100_2026-12-06.json"
-MEASURED_ON = "one NVIDIA H100 80GB HBM3 (device tool), torch 2.11.0+cu130, triton 3.6.0"
+MEASURED_ON = "one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0"
 PATTERN_ROWS = 16  # heads of the synthetic pattern per layer (what the simulated ring ran)
-FP_SPLIT = 1.0 / 3.5  # forward's share of forward+backward FLOPs (DESIGN.md: x3.5)
+FP_SPLIT = 1.0 / 3.5  # forward's share of forward+backward FLOPs: the backward is 2.5 times the forward's
 GIB = 2**30
 NEAR_TIE = 0.99  # planner: candidates within 1% of the best tokens/s are equal as far as the model can tell
 
@@ -108,6 +111,7 @@ class Hardware:
     compute_scale: float = 1.0
     gpu_mem_gib: float = 80.0
     host_mem_gib: float | None = None  # host memory per node for offloaded activations (None: not a limit)
+    host_gbs: float = 25.0  # host-device copies of offloaded activations, GB/s per GPU each way (a rule, not measured)
 
 
 PRESETS = {
@@ -381,8 +385,9 @@ def _ms(cost: StepCost, pairs: float, phase: str, d_scale: float) -> float:
 
 
 def training_step(layer: dict, shape: ModelShape, seq_len: int, gpus: int, hw: Hardware, rest: dict,
-                  per_node: int) -> dict:
-    """Training step per GPU (seconds): rest + L (2 fwd + bwd) attention + the exposed gradient all-reduce."""
+                  per_node: int, offload_bytes: float = 0.0) -> dict:
+    """Training step per GPU (seconds): rest + L (2 fwd + bwd) attention + the exposed gradient all-reduce + the
+    host-device copies of ``offload_bytes`` offloaded activations (out and back, not overlapped)."""
     s = seq_len // gpus
     rest_s = rest["rest_s_per_token"] * s * shape.params() / REFERENCE.params() / hw.compute_scale
     attn_s = shape.layers * (2 * layer["fwd_s"] + layer["bwd_s"])
@@ -390,9 +395,10 @@ def training_step(layer: dict, shape: ModelShape, seq_len: int, gpus: int, hw: H
     grad_s = allreduce_s(2.0 * shape.params(), gpus, gbs, lat, hw.efficiency)
     backward_s = shape.layers * (layer["fwd_s"] + layer["bwd_s"]) + 0.75 * rest_s  # recompute + backward
     exposed = max(0.0, grad_s - backward_s)
-    step = rest_s + attn_s + exposed
+    offload_s = 2.0 * offload_bytes / (hw.host_gbs * 1e9)
+    step = rest_s + attn_s + exposed + offload_s
     return {"step_s": step, "rest_s": rest_s, "attention_s": attn_s, "grad_allreduce_s": grad_s,
-            "grad_exposed_s": exposed, "tokens_per_s": seq_len / step}
+            "grad_exposed_s": exposed, "offload_s": offload_s, "tokens_per_s": seq_len / step}
 
 
 def memory_gib(shape: ModelShape, seq_len: int, gpus: int, rest: dict, bytes_per_param: float = 16.0,
@@ -500,7 +506,7 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
     Memory: every candidate trains with activation checkpointing (what the step time models: the forward is
     recomputed). One that does not fit may fit with activation offload (``offload_activations``: the checkpointed
     inputs of the fewest layers that make it fit in host memory, :func:`offload_needed`, within ``hw.host_mem_gib``;
-    the host-device copies are not in the step time). Order: candidates that fit
+    its host-device copies are in its step time, at ``hw.host_gbs``). Order: candidates that fit
     without offload, then those that fit only with it (``"offload"``: True for every layer, or the number of layers),
     then those that fit in neither way;
     each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
@@ -529,7 +535,8 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
                 method = "flat" if inner == cp else "hier"
                 layer = attention_layer(method, shape, seq_len, cp_nodes, cp_per_node, hw, costs, inner=inner,
                                         layout=layout, cache=cache)
-                step = training_step(layer, shape, seq_len, cp, hw, rest, cp_per_node)
+                step = training_step(layer, shape, seq_len, cp, hw, rest, cp_per_node,
+                                     offload_bytes=mem["host_gib"] * GIB if offload else 0.0)
                 dp = gpus // cp
                 cands.append({**layer, **step, "cp": cp, "dp": dp, "tokens_per_s": dp * step["tokens_per_s"],
                               "memory": mem, "fits": fits, "offload": offload, "memory_offloaded": every})
@@ -589,8 +596,8 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
              f"{'cp':>4} {'dp':>3} {'layout':>10} {'inner':>5} {'attn fwd ms':>11} {'attn bwd ms':>11} "
              f"{'exposed comm ms':>15} {'step s':>7} {'tokens/s':>9} {'GiB/GPU':>7}"]
     for c in p["candidates"]:
-        note = ("" if c["fits"] else f"  (offload {_offload_words(c['offload'])})" if c["offload"]
-                else "  (does not fit)")
+        note = ("" if c["fits"] else f"  (offload {_offload_words(c['offload'])}: {c['offload_s']:.2f} s of host "
+                f"copies in the step, at {hw.host_gbs:g} GB/s, a rule)" if c["offload"] else "  (does not fit)")
         lines.append(f"{c['cp']:>4} {c['dp']:>3} {c['layout']:>10} {c['inner']:>5} {c['fwd_s'] * 1e3:>11.1f} "
                      f"{c['bwd_s'] * 1e3:>11.1f} {(c['fwd_exposed_comm_s'] + c['bwd_exposed_comm_s']) * 1e3:>15.1f} "
                      f"{c['step_s']:>7.2f} {c['tokens_per_s']:>9.0f} {c['memory']['total_gib']:>7.1f}" + note)
@@ -598,8 +605,8 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
         fits = "fits"
     elif b["offload"]:
         fits = (f"fits with activation offload of {_offload_words(b['offload'])} (offload_activations="
-                f"{b['offload']}; {m['host_gib'] * per_node:.1f} GiB of host memory a node; the "
-                "host-device copies are not modelled)")
+                f"{b['offload']}; {m['host_gib'] * per_node:.1f} GiB of host memory a node; its host-device copies, "
+                f"{b['offload_s']:.2f} s a step, are a rule at {hw.host_gbs:g} GB/s per GPU each way, not measured)")
     else:
         every = b.get("memory_offloaded", m)
         why = (f"offloading every layer's inputs leaves {every['total_gib']:.1f} GiB a GPU"
@@ -616,6 +623,14 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
         f"memory per GPU: {m['total_gib']:.1f} GiB ({m['states_gib']:.1f} model states + {m['activations_gib']:.1f} "
         f"activations, checkpointed{', offloaded' if m.get('offload') else ''}): {fits}",
     ]
+    faster = [c for c in p["candidates"] if c["offload"] and c["tokens_per_s"] > b["tokens_per_s"]]
+    if b["fits"] and faster:
+        f = faster[0]
+        lines.append(
+            f"best despite faster-looking rows: context_parallel_size={f['cp']} ({f['layout']}, inner_ring_size="
+            f"{f['inner']}) predicts {f['tokens_per_s']:.0f} tokens/s but needs activation offload of "
+            f"{_offload_words(f['offload'])}, whose host-device copies are a rule ({hw.host_gbs:g} GB/s per GPU each "
+            f"way), not a measurement; the plan prefers what fits without offload (--cp {f['cp']} plans that size)")
     return "\n".join(lines)
 
 
@@ -709,6 +724,8 @@ def config_comments(p: dict, plan_text: str, command: str, config_path: str | No
     lines += [f"  Lightning Studio:  {launch['studio']}",
               f"  torchrun, on each node:  {launch['torchrun']}",
               f"  SLURM, in an allocation of {nodes} node(s):  {launch['slurm']}",
+              "", f"dry run first, on any CPU machine (every rank's strategy and mesh, no GPU): python examples/cli.py "
+              f"check --config {path}",
               "", "model and data: examples/cli.py's byte-level standard-library corpus; replace them with yours."]
     return lines
 
@@ -718,7 +735,7 @@ def _hardware(args) -> Hardware:
     over = {k: v for k, v in (("nvlink_gbs", args.nvlink_gbs), ("ib_gbs", args.ib_gbs),
                               ("nvlink_latency_us", args.nvlink_latency_us), ("ib_latency_us", args.ib_latency_us),
                               ("efficiency", args.efficiency), ("gpu_mem_gib", args.gpu_mem_gib),
-                              ("host_mem_gib", args.host_mem_gib)) if v is not None}
+                              ("host_mem_gib", args.host_mem_gib), ("host_gbs", args.host_gbs)) if v is not None}
     return dataclasses.replace(hw, **over)
 
 
@@ -734,6 +751,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-mem-gib", type=float)
     ap.add_argument("--host-mem-gib", type=float,
                     help="host memory per node for offloaded activations (default: no limit)")
+    ap.add_argument("--host-gbs", type=float,
+                    help="host-device copy bandwidth of offloaded activations, GB/s per GPU each way (default 25)")
     ap.add_argument("--model", default="Qwen/Qwen2.5-3B", help=f"one of {sorted(MODELS)} (a '-shape' suffix is fine)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--hidden", type=int)
@@ -772,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = _hardware(args)
     costs, rest = measured_step_costs(), measured_rest()
     cache: dict = {}
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    info = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version(), "command": " ".join(sys.argv), "hardware": dataclasses.asdict(hw),
             "model": {"name": name, **dataclasses.asdict(shape), "params": shape.params()},
             "inputs_measured_on": MEASURED_ON,

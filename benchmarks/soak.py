@@ -138,7 +138,6 @@ def run(args) -> None:
 def report(args, ranks: list[list[dict]], cuda: bool, torch_version: str) -> None:
     keys = ["rss"] + (["allocated", "reserved"] if cuda else [])
     n = len(ranks[0])
-    half = ranks[0][n // 2:]
     out = {"info": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
                     "torch": torch_version, "args": vars(args), "seconds": ranks[0][-1]["t"] - ranks[0][0]["t"]},
            "ranks": []}

@@ -27,20 +27,19 @@ op plus the merge of the forward, the dq add and dK/dV stack of the backward):
 - ``dense``: ``SimulatedRing(W, layout, 128)`` with its default op (FlexAttention); ``--skip-dense N`` skips it at
   N (512K on 32 virtual ranks: W^2 = 1024 FlexAttention steps, about 15 s per pass on an H200).
 
-Per-step times are medians over ``--reps`` passes (after one warm-up pass). Reported: ``critical`` = sum over
-steps of the slowest rank's step, forward and backward separately (each ring step waits for its slowest rank;
-communication assumed hidden), their sum; the measured time imbalance from the per-rank-per-step times
-(:func:`~lightning_mtraining.sparsity.balance.imbalance`: ``total`` = max over mean of the ranks' totals, ``critical_path``
-= critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern and
-layout in the schedule that ran (:func:`~lightning_mtraining.sparsity.balance.ring_step_work`): ``work_imbalance`` (sparse:
-``verticals="gathered"``, the vertical step last; dense: the full pattern) and ``work_imbalance_arrival`` (each
-vertical's pairs at the step its key's chunk arrives, W steps); the correlation over (rank, step) of time with the
-work of the schedule that ran; TFLOP/s on all the allowed pairs, the
-vertical step's included (4 D per pair forward, x3.5 forward+backward) over W x critical; the sparse speed-up over
-the dense ring; and ``single``: the pattern's forward+backward on the whole sequence on one GPU
-(``vertical_slash_attention``, ``do_bench`` median) divided by W, the ideal per-rank share (a lower bound of
-``critical``). Launch gaps inside a step count:
-a step whose kernels are shorter than their launches is timed at the host's pace, as it runs in eager mode.
+Per-step times are medians over ``--reps`` passes (after one warm-up pass). Reported: ``critical`` = sum over steps of
+the slowest rank's step, forward and backward separately (each ring step waits for its slowest rank; communication
+assumed hidden), their sum; the measured time imbalance from the per-rank-per-step times
+(:func:`~lightning_mtraining.sparsity.balance.imbalance`: ``total`` = max over mean of the ranks' totals,
+``critical_path`` = critical over the sum of the mean rank's steps) next to the exact work imbalance of the same pattern
+and layout in the schedule that ran (:func:`~lightning_mtraining.sparsity.balance.ring_step_work`): ``work_imbalance``
+(sparse: ``verticals="gathered"``, the vertical step last; dense: the full pattern) and ``work_imbalance_arrival`` (each
+vertical's pairs at the step its key's chunk arrives, W steps); the correlation over (rank, step) of time with the work
+of the schedule that ran; TFLOP/s on all the allowed pairs, the vertical step's included (4 D per pair forward, x3.5
+forward+backward) over W x critical; the sparse speed-up over the dense ring; and ``single``: the pattern's
+forward+backward on the whole sequence on one GPU (``vertical_slash_attention``, ``do_bench`` median) divided by W, the
+ideal per-rank share (a lower bound of ``critical``). Launch gaps inside a step count: a step whose kernels are shorter
+than their launches is timed at the host's pace, as it runs in eager mode.
 """
 
 from __future__ import annotations
@@ -55,10 +54,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_mtraining.sparsity.balance import allowed_pairs, imbalance, ring_step_work
 from lightning_mtraining.core.layouts import shard_sequence
-from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
 from lightning_mtraining.ring.simulated import SimulatedRing
+from lightning_mtraining.sparsity.balance import allowed_pairs, imbalance, ring_step_work
+from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ run as scripts, not a package
 from _timing import median_ms, write_results  # noqa: E402

@@ -41,7 +41,8 @@ def build(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab
 
 
 def parallel_model(args, mesh, sparsity, **shape):
-    from lightning_mtraining import apply_context_parallel, apply_fsdp
+    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining.hf import apply_fsdp
 
     model = build(**shape)
     handle = apply_context_parallel(model, mesh, block_size=args.block_size, sparsity=sparsity)
@@ -140,7 +141,7 @@ def main() -> None:
         args.block_size, args.tile, args.check_seq, args.check_hidden, args.check_steps = 16, 16, 200, 64, 2
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_mtraining import MeshAxes, build_mesh
+    from lightning_mtraining.distributed import MeshAxes, build_mesh
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.cpu_smoke:

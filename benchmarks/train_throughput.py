@@ -25,11 +25,11 @@ random tokens, batch 1, ``training_step`` returning ``self.model(**batch).loss``
   S slashes cover at most about 2 S of the N / 128 tile diagonals, V verticals V of the keys (the density is
   printed); a small S is the fixed-density mode for what the kernels give a step at a trained model's sparsity.
 
-``--compile on`` (or ``both``: each variant eager, then compiled, in separate processes): every decoder layer
-compiled with ``torch.compile(fullgraph=True)``: the mtraining variants through ``MTrainingStrategy(compile=...)``,
-the others with ``lightning_mtraining.hf.compile.compile_decoder_layers`` on the plain model (rows labelled ``compiled``).
-The first steps compile (``--warmup`` of at least 1 keeps that out of the timed steps; more than one length per
-process recompiles per length). Compiled vs eager on one GPU, dense and sparse::
+``--compile on`` (or ``both``: each variant eager, then compiled, in separate processes): every decoder layer compiled
+with ``torch.compile(fullgraph=True)``: the mtraining variants through ``MTrainingStrategy(compile=...)``, the others
+with ``lightning_mtraining.hf.compile.compile_decoder_layers`` on the plain model (rows labelled ``compiled``). The
+first steps compile (``--warmup`` of at least 1 keeps that out of the timed steps; more than one length per process
+recompiles per length). Compiled vs eager on one GPU, dense and sparse::
 
     python benchmarks/train_throughput.py --variants sdpa mtraining_dense sparse_topk --seqlens 32768 65536 \
         --compile both --warmup 2 --steps 3 --out $OUT/train_throughput_compile.json
@@ -60,9 +60,10 @@ Time split (``--split``, default on; ``--no-split`` skips it): one more step aft
 ``estimation`` (``estimate_pattern``: probe-score kernels, top-k and selection), ``lists`` (``build_step_lists``: the
 per-tile index lists) and ``rest``. Each op, or kernel at the CPU call that launched it, counts for the innermost
 ``mtraining::estimate`` / ``mtraining::lists`` / ``mtraining::attention`` range around it
-(``lightning_mtraining.core.profiling``), else for an attention op around it, else for ``rest``. Reported per row as ``split_ms`` and ``split_share``
-(of the profiled step's device time, ``split_total_ms``), and as the table's shares. Sums of kernel times: kernels
-that overlap (other streams) count in full, and a checkpointed layer's recomputed forward counts in its own category.
+(``lightning_mtraining.core.profiling``), else for an attention op around it, else for ``rest``. Reported per row as
+``split_ms`` and ``split_share`` (of the profiled step's device time, ``split_total_ms``), and as the table's shares.
+Sums of kernel times: kernels that overlap (other streams) count in full, and a checkpointed layer's recomputed forward
+counts in its own category.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ import sys
 import time
 import traceback
 import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: torch is imported inside the functions that use it
+    import torch
 
 VARIANTS = ("sdpa", "ddp1", "flex", "mtraining_dense", "mtraining_dense_torch_loss", "mtraining_dense_plain_loss",
             "sparse_topp", "sparse_topk")
@@ -144,7 +149,7 @@ def time_split(events, cuda: bool, compiled_is_attention: bool = False) -> dict[
     return out
 
 
-def real_windows(source: str, n: int, count: int) -> "torch.Tensor":
+def real_windows(source: str, n: int, count: int) -> torch.Tensor:
     """``[count, n]`` windows of the standard-library corpus in ``source``'s tokens (``benchmarks/accuracy.py``'s
     train files and packing); only as many files are tokenised as the windows need."""
     import importlib.util
@@ -417,7 +422,8 @@ def main() -> None:
     ap.add_argument("--nonfinite-check", default="raise", choices=("raise", "warn", "off"),
                     help="mtraining variants: the strategy's nonfinite_check (its per-layer flags and per-step check)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="Trainer(deterministic=True): torch.use_deterministic_algorithms, what bit-identical reruns cost")
+                    help="Trainer(deterministic=True): torch.use_deterministic_algorithms, what bit-identical reruns "
+                    "cost")
     ap.add_argument("--topk", type=int, nargs=2, default=[1024, 1024], metavar=("V", "S"),
                     help="sparse_topk: vertical and slash budget per head")
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),

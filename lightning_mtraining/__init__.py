@@ -44,6 +44,7 @@ _API = {
     "global_positions": "lightning_mtraining.core.layouts",
     "apply_context_parallel": "lightning_mtraining.hf.parallel",
     "causal_lm_loss": "lightning_mtraining.hf.losses",
+    "causal_lm_targets": "lightning_mtraining.hf.losses",
     "SparseAttentionCallback": "lightning_mtraining.callbacks.sparse_attention",
     "RingTraceCallback": "lightning_mtraining.callbacks.ring_trace",
 }
@@ -52,11 +53,11 @@ _MODULES = {
     "balance": "lightning_mtraining.sparsity.balance",
     "ring_trace": "lightning_mtraining.ring.trace",
 }
-# Names this package exported before its split into layers; they keep working, from their layer's namespace.
-_MORE = {
+# Names this package exported before its split into layers: they still resolve here, with a DeprecationWarning that
+# names their layer's namespace (``lightning_mtraining.hf.register_sparse_prefill``), where they live on.
+_DEPRECATED = {
     "attention_recall": "lightning_mtraining.sparsity.estimation",
     "RingTrace": "lightning_mtraining.ring.trace",
-    "causal_lm_targets": "lightning_mtraining.hf.losses",
     "fused_linear_cross_entropy": "lightning_mtraining.hf.losses",
     "ContextParallel": "lightning_mtraining.hf.parallel",
     "apply_fsdp": "lightning_mtraining.hf.parallel",
@@ -77,10 +78,15 @@ __all__ = sorted([*_API, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        from lightning_mtraining.core.deprecation import warn_moved
+
+        warn_moved(f"lightning_mtraining.{name}", ".".join(_DEPRECATED[name].split(".")[:2]) + f".{name}")
+        return getattr(importlib.import_module(_DEPRECATED[name]), name)  # not cached: every use warns
     if name in _MODULES:
         value = importlib.import_module(_MODULES[name])
-    elif name in _API or name in _MORE:
-        value = getattr(importlib.import_module(_API.get(name) or _MORE[name]), name)
+    elif name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
     else:
         raise AttributeError(f"module 'lightning_mtraining' has no attribute {name!r}")
     globals()[name] = value
@@ -88,7 +94,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_API, *_MODULES, *_MORE})
+    return sorted({*globals(), *_API, *_MODULES})
 
 
 _registration.install()

@@ -78,7 +78,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                     _running.discard(fullname)
                 _import_strategies(fullname)
 
-        spec.loader.exec_module = exec_module  # this spec's own loader instance, for this one import
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader, this import
         return spec
 
 

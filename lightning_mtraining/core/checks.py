@@ -27,5 +27,6 @@ def check_window(window: Any, what: str = "window") -> int | None:
 def check_softcap(softcap: Any, what: str = "softcap") -> float | None:
     """A score soft-cap (scores become ``softcap * tanh(s / softcap)``), or None; raises otherwise."""
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"{what} must be a positive float (scores become softcap * tanh(s / softcap)), got {softcap!r}")
+        raise ValueError(f"{what} must be a positive float (scores become softcap * tanh(s / softcap)), got "
+                         f"{softcap!r}")
     return softcap

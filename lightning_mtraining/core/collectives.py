@@ -8,7 +8,7 @@ only concatenated along dim 0 (``[W * d0, ...]``), not stacked (``[W, d0, ...]``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -20,24 +20,54 @@ Python prints at exit changes. The hook wraps the one before it (torch.distribut
 ``[rankN]:``) and hands every unmarked exception to it. Only checks whose outcome is the same on every rank of the
 named set are marked: before any collective, or on values every rank received from the same collective. A
 collective's own failure (a timeout, a dead peer) is never marked: the ranks see it differently.
+
+Note [The first failure speaks last]
+------------------------------------
+A failure only one rank finds (the user's ``training_step`` raising on rank 1 at step 2) leaves the other ranks
+waiting in a collective for that rank; when its process ends, each of them fails in turn ("connection closed by
+peer"), with its own traceback through Lightning's loops, so the cause sits mid-log (hundreds of lines) and the
+last screen shows a consequence that does not name it. Instead, once the process group exists, every process
+watches the job's key-value store (a :class:`FailureWatch`, one per process: a thread that asks the store twice a
+second whether a failure is recorded, with its own client connection, so it answers while the main thread is blocked
+in a collective):
+
+1. The first rank to fail records itself in the store, atomically (``compare_set`` on an absent key: exactly one
+   rank wins): its rank, the step (the strategies record the Trainer's global step, in ``on_exception``) and a
+   one-line summary. A failure marked by Note [Failures that speak once] records nothing (it has its own report).
+2. Every other rank's watcher sees the record, prints one line naming the rank that failed first, its step and
+   summary, silences this process's stdout and stderr (what it prints after is a consequence), and acknowledges.
+   A rank that fails on its own after the record exists does the same from its except hook.
+3. The first rank's except hook waits until every other rank has acknowledged (at most :data:`ACK_WAIT_S`: a dead
+   rank never does), then prints its report: the frames of the user's code (those of Lightning, torch and this
+   package left out), the message, and a line with its rank and step. So it is printed once, and last.
+
+The processes still end as before (a peer's closed connection, the launchers of Note [No rank outlives a failure]
+in :mod:`lightning_mtraining.strategies.launchers`, torchrun's agent); only what they print changes.
+``LIGHTNING_MTRAINING_FULL_TRACEBACK=1`` turns this off as well: every rank prints Python's full traceback.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 import sysconfig
+import threading
+import time
 import traceback
 from collections.abc import Iterator
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["FULL_TRACEBACK_ENV", "SameOnRanks", "format_failure", "group_ranks", "mark_same_on_ranks",
-           "same_on_ranks", "same_on_ranks_of"]
+__all__ = ["ACK_WAIT_S", "FULL_TRACEBACK_ENV", "FailureWatch", "FirstFailure", "SameOnRanks", "claim_first_failure",
+           "format_failure", "format_first_failure", "group_ranks", "mark_same_on_ranks", "same_on_ranks",
+           "same_on_ranks_of", "told_the_others_first", "watch_failures"]
 
 FULL_TRACEBACK_ENV = "LIGHTNING_MTRAINING_FULL_TRACEBACK"
 _MARK = "_mtraining_same_on_ranks"
@@ -45,6 +75,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARY_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib",
                                                                           "platlib")})
 _ONE_LINE = 120  # characters of the message on a rank that does not report
+ACK_WAIT_S = 5.0  # how long the first failing rank waits for the others' one line before its report
+_FIRST_KEY = "lightning_mtraining/first_failure"
+_TOLD_KEY = "lightning_mtraining/first_failure/told"
+_MAX_FRAMES = 8  # frames of the user's code in the first failure's report (the innermost ones)
+_MAX_MESSAGE_LINES = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +163,200 @@ def format_failure(exc: BaseException, mark: SameOnRanks) -> str:
     return "".join(f"{prefix}{line}\n" for line in lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstFailure:
+    """The failure recorded first in the job (Note [The first failure speaks last]): the global ``rank`` it happened
+    on, the training ``step`` there (None if unknown), the ``stage`` (``"fit"``, ``"validate"``, ...; None if
+    unknown) and a one-line ``summary`` (``"RuntimeError: ..."``)."""
+
+    rank: int
+    step: int | None
+    stage: str | None
+    summary: str
+
+    def where(self) -> str:
+        """``"at step 2"``, ``"at step 2 (validate)"`` or ``""``."""
+        step = f" at step {self.step}" if self.step is not None else ""
+        stage = f" ({self.stage})" if self.stage not in (None, "fit", "train") else ""
+        return step + stage
+
+
+def _summary(exc: BaseException) -> str:
+    text = " ".join("".join(traceback.format_exception_only(type(exc), exc)).split())
+    return text if len(text) <= _ONE_LINE else text[:_ONE_LINE - 3] + "..."
+
+
+class FailureWatch:
+    """This process's part of Note [The first failure speaks last]: records a failure first if no other rank has,
+    tells (one line) and silences this process when another rank did, and waits for the others before the first
+    failure's report.
+
+    Args:
+        store: a ``torch.distributed.Store`` client of its own (every rank's reaches the same store).
+        rank, world_size: this process's global rank and the world size.
+        poll_s: how often the watching thread asks the store.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, poll_s: float = 0.5) -> None:
+        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
+        self._lock = threading.Lock()  # one store operation at a time (the thread and the main thread)
+        self._stop = threading.Event()
+        self._told = False
+        self._first: FirstFailure | None = None
+        self._thread = threading.Thread(target=self._watch, name="mtraining-failure-watch", daemon=True)
+
+    def start(self) -> FailureWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the watching thread (at exit) and wait for it, so that it is not left inside a store call."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll_s + 6)
+
+    def first(self) -> FirstFailure | None:
+        """The recorded first failure, if any."""
+        if self._first is None:
+            with self._lock:
+                if self.store.check([_FIRST_KEY]):
+                    self._first = FirstFailure(**json.loads(self.store.get(_FIRST_KEY)))
+        return self._first
+
+    def claim(self, exc: BaseException, step: int | None = None, stage: str | None = None) -> FirstFailure:
+        """Record ``exc`` as the job's first failure unless another is recorded already; returns the first failure
+        (this one, or the one recorded before). Idempotent."""
+        if self._first is None:
+            mine = FirstFailure(self.rank, step, stage, _summary(exc))
+            with self._lock:
+                value = self.store.compare_set(_FIRST_KEY, "", json.dumps(dataclasses.asdict(mine)))
+            self._first = FirstFailure(**json.loads(value))
+        return self._first
+
+    def tell(self, first: FirstFailure) -> None:
+        """Print the one line naming the rank that failed first, once; then silence this process (what it prints
+        after is a consequence) and acknowledge."""
+        if self._told:
+            return
+        self._told = True
+        sys.stdout.flush()
+        sys.stderr.write(f"[rank{self.rank}]: ending: rank {first.rank} failed first{first.where()} "
+                         f"({first.summary})\n")
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        with self._lock:
+            self.store.add(_TOLD_KEY, 1)
+
+    def wait_for_the_others(self, timeout: float = ACK_WAIT_S) -> bool:
+        """The first failing rank: wait until every other rank has said its one line (True), or ``timeout``
+        (False)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.store.add(_TOLD_KEY, 0) >= self.world_size - 1:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        try:
+            while not self._stop.wait(self.poll_s):
+                first = self.first()
+                if first is not None:
+                    if first.rank != self.rank:
+                        self.tell(first)
+                    return
+        except Exception:  # the store is gone (its host ended): nothing to watch any more
+            return
+
+
+_WATCH: FailureWatch | None = None
+
+
+def watch_failures(rank: int, world_size: int, store: Any = None) -> FailureWatch | None:
+    """Start this process's :class:`FailureWatch` (once; Note [The first failure speaks last]) and install the
+    except hook. ``store``: a store client of its own; default: a new ``TCPStore`` client of the job's store at
+    ``MASTER_ADDR:MASTER_PORT`` (set by every launcher once the process group exists). None when the world is one
+    process or no store can be reached (the failures then print as Python prints them)."""
+    global _WATCH
+    if _WATCH is not None or world_size < 2:
+        return _WATCH
+    if store is None:
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=5))
+        except (KeyError, ValueError, RuntimeError, OSError):
+            return None
+    _WATCH = FailureWatch(store, rank, world_size).start()
+    atexit.register(_WATCH.stop)
+    _install_hook()
+    return _WATCH
+
+
+def told_the_others_first() -> bool:
+    """Whether this process recorded the job's first failure and every other rank has said its one line (waits up to
+    :data:`ACK_WAIT_S` for them; Note [The first failure speaks last]). A launcher then has nothing more to wait for
+    from its other ranks before ending them."""
+    if _WATCH is None:
+        return False
+    try:
+        first = _WATCH.first()
+        return first is not None and first.rank == _WATCH.rank and _WATCH.wait_for_the_others()
+    except Exception:  # the store is gone
+        return False
+
+
+def claim_first_failure(exc: BaseException, step: int | None = None, stage: str | None = None) -> None:
+    """Record ``exc`` (raised on this rank, nothing caught it inside the loop) as the job's first failure if it is
+    (Note [The first failure speaks last]); a marked failure (Note [Failures that speak once]), a ``KeyboardInterrupt``
+    or a process without a watch records nothing. Never raises."""
+    if _WATCH is None or not isinstance(exc, Exception) or getattr(exc, _MARK, None) is not None:
+        return
+    try:
+        first = _WATCH.claim(exc, step, stage)
+        if first.rank != _WATCH.rank:
+            _WATCH.tell(first)
+    except Exception:  # the store is gone: Python prints this failure as it would
+        pass
+
+
+def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]:
+    """The frames of the user's code, and the innermost frame (where it was raised) whoever's it is."""
+    kept = [f for f in frames if _is_user_frame(f.filename)]
+    if frames and (not kept or kept[-1] is not frames[-1]):
+        kept.append(frames[-1])
+    return kept[-_MAX_FRAMES:]
+
+
+def format_first_failure(exc: BaseException, first: FirstFailure, world_size: int, told: bool = True) -> str:
+    """What the rank that failed first prints (Note [The first failure speaks last]): the user's frames, the
+    message, and its rank and step; under 30 lines. ``told``: every other rank said its one line (else some had
+    ended before, or do not answer)."""
+    prefix = f"[rank{first.rank}]: "
+    frames = _user_frames(traceback.extract_tb(exc.__traceback__))
+    lines = ["Traceback (the frames of your code and where it was raised; Lightning's and torch's left out):"]
+    for frame in frames:
+        lines.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            lines.append(f"    {frame.line.strip()}")
+    message = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n").split("\n")
+    if len(message) > _MAX_MESSAGE_LINES:
+        message = message[:_MAX_MESSAGE_LINES] + [f"... ({len(message) - _MAX_MESSAGE_LINES} more lines)"]
+    lines += message
+    if world_size == 1:
+        others = ""
+    elif told:
+        others = "; the other ranks stopped with one line each"
+    else:
+        others = "; not every other rank answered (ended already, or stuck)"
+    lines.append(f"rank {first.rank} failed first{first.where()}{others}; the full traceback: {FULL_TRACEBACK_ENV}=1")
+    return "".join(f"{prefix}{line}\n" for line in lines)
+
+
 class _ExceptHook:
     """``sys.excepthook``: a marked exception is printed by :func:`format_failure`, any other by ``previous``."""
 
@@ -136,11 +365,31 @@ class _ExceptHook:
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         mark = getattr(exc, _MARK, None)
-        if mark is None or os.environ.get(FULL_TRACEBACK_ENV, "") not in ("", "0"):
+        if os.environ.get(FULL_TRACEBACK_ENV, "") not in ("", "0"):
             self.previous(exc_type, exc, tb)
-            return
-        sys.stderr.write(format_failure(exc, mark))
+        elif mark is not None:
+            sys.stderr.write(format_failure(exc, mark))
+        elif _WATCH is not None and isinstance(exc, Exception) and self._first_failure(exc):
+            pass
+        else:
+            self.previous(exc_type, exc, tb)
         sys.stderr.flush()
+
+    @staticmethod
+    def _first_failure(exc: BaseException) -> bool:
+        """Note [The first failure speaks last]: the report if this rank failed first, else the one line; False
+        when the store cannot be reached (Python's report then)."""
+        assert _WATCH is not None
+        try:
+            first = _WATCH.claim(exc)
+            if first.rank != _WATCH.rank:
+                _WATCH.tell(first)
+                return True
+            told = _WATCH.wait_for_the_others()
+        except Exception:
+            return False
+        sys.stderr.write(format_first_failure(exc, first, _WATCH.world_size, told))
+        return True
 
 
 def _install_hook() -> None:

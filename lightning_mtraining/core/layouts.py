@@ -28,7 +28,8 @@ A length that is not a multiple of the layout's unit is an error here; the integ
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -162,8 +163,8 @@ def _check_length(seq_len: int, layout: str, world_size: int, block_size: int) -
         padded = max(unit, -(-seq_len // unit) * unit)
         raise ValueError(
             f"sequence length {seq_len} is not a positive multiple of the {layout} layout's unit {unit} "
-            f"({detail}); pad the sequence to {padded} tokens (lightning_mtraining.distributed.sharding pads batches for you) "
-            f"or choose another block_size/layout"
+            f"({detail}); pad the sequence to {padded} tokens (lightning_mtraining.distributed.sharding pads batches "
+            f"for you) or choose another block_size/layout"
         )
     return unit
 

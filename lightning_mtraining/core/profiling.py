@@ -9,7 +9,8 @@ wrapper costs one flag check (about 0.4 us a call on CPU, against about 10 us fo
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function

@@ -58,8 +58,9 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import filelock  # a litdata requirement
 import numpy as np
@@ -123,7 +124,7 @@ def decode_tokens(tokens: Any) -> bytes:
     for pos in np.flatnonzero(special):
         out += ids[start:pos].astype(np.uint8).tobytes()
         out += _SPECIAL_NAMES[int(ids[pos])]
-        start = pos + 1
+        start = int(pos) + 1
     out += ids[start:].astype(np.uint8).tobytes()
     return bytes(out)
 
@@ -275,9 +276,9 @@ def build_stdlib_corpus(
         verbose: print progress while building (a line per tenth of the packages; nothing when the
             corpus is already built).
         encoder: the tokens of a package document, for a pretrained model's tokenizer: an object with
-            ``__call__(root, files) -> np.ndarray`` (``uint16`` or ``int32`` ids, the document's end token
-            included), ``fingerprint`` (a string that changes whenever the tokens would) and ``vocab_size``
-            (e.g. :class:`lightning_mtraining.hf.pretrained.TokenizerPackageEncoder`). None: the byte-level tokens above.
+            ``__call__(root, files) -> np.ndarray`` (``uint16`` or ``int32`` ids, the document's end token included),
+            ``fingerprint`` (a string that changes whenever the tokens would) and ``vocab_size`` (e.g.
+            :class:`lightning_mtraining.data.model_tokens.TokenizerPackageEncoder`). None: the byte-level tokens above.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive; got {chunk_tokens}")
@@ -503,7 +504,7 @@ def token_dataloader(
         given.append("dp_rank/dp_size")
     if len(given) > 1:
         raise ValueError(f"pass only one of strategy, mesh, dp_rank/dp_size; got {given}")
-    if dp_rank is None:
+    if dp_rank is None or dp_size is None:
         dp_rank, dp_size = data_parallel_rank_size(strategy if strategy is not None else mesh)
     dataset = token_dataset(
         input_dir, seq_len, dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle, seed=seed, cache_dir=cache_dir,

@@ -105,7 +105,9 @@ def build_mesh(
 
 def resolve_context_parallel_size(context_parallel_size: int | str, world_size: int) -> int:
     """``"auto"`` -> the whole world; an int must divide the world size (the rest is data parallel)."""
-    if context_parallel_size == "auto":
+    if isinstance(context_parallel_size, str):
+        if context_parallel_size != "auto":
+            raise ValueError(f"context_parallel_size must be 'auto' or a positive int, got {context_parallel_size!r}")
         return world_size
     if world_size % context_parallel_size:
         raise ValueError(
@@ -281,7 +283,8 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh._flatten("dp_cp") if mesh.ndim > 1 else mesh
     missing = [n for n in MESH_DIM_NAMES if n not in names]
     if missing:
-        raise ValueError(f"fsdp_mesh: the mesh {names} lacks {missing}; build it with lightning_mtraining.build_mesh")
+        raise ValueError(f"fsdp_mesh: the mesh {names} lacks {missing}; build it with "
+                         "lightning_mtraining.distributed.build_mesh")
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if mesh.size(names.index("dp_replicate")) == 1:
         return flat
@@ -305,11 +308,11 @@ def check_mesh_fits_model(config: Any, tp: int, owner: str = "tensor parallel") 
         return
     config = getattr(config, "get_text_config", lambda: config)()
     heads = _config_int(config, "num_attention_heads", "n_head")
-    kv_heads = _config_int(config, "num_key_value_heads") or heads
     inter = _config_int(config, "intermediate_size", "n_inner")
     name = type(config).__name__
     if heads is None:
         raise ValueError(f"{owner}: {name} has no num_attention_heads; cannot split its attention {tp} ways")
+    kv_heads = _config_int(config, "num_key_value_heads") or heads
     if heads % tp:
         raise ValueError(
             f"{owner}: {name}.num_attention_heads={heads} is not divisible by the tensor parallel size {tp}; each "

@@ -108,8 +108,8 @@ class ShardedBatch:
         lengths: the real (unpadded) length of every row of the whole sequence (host ints).
         doc_start: packed documents (the batch's ``position_ids`` restart, see
             :func:`~lightning_mtraining.core.layouts.document_starts`): ``[B, L]`` for each of this shard's tokens the
-            global position of its document's first token (what :func:`~lightning_mtraining.ring.attention.ring_attention`
-            takes); None when every row is one document.
+            global position of its document's first token (what
+            :func:`~lightning_mtraining.ring.attention.ring_attention` takes); None when every row is one document.
         doc_position_ids: with packed documents, this shard of the batch's own ``position_ids`` (per document, for
             RoPE), else None.
     """
@@ -288,7 +288,8 @@ def shard_batch(
         check_right_padding(mask)
         valid[:, :S] &= mask.bool()
         labels = batch.get("labels")
-        if _is_sequence_tensor(labels, B, S) and not labels.is_floating_point() and not bool(valid[:, :S].all()):
+        if (labels is not None and _is_sequence_tensor(labels, B, S) and not labels.is_floating_point()
+                and not bool(valid[:, :S].all())):
             check_padded_labels(labels, ~valid[:, :S], ignore_index, "batch['labels']")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +298,7 @@ def shard_batch(
     doc_full = None
     target_valid = valid
     pid = batch.get("position_ids")
-    if _is_sequence_tensor(pid, B, S) and pid.dim() == 2 and not pid.is_floating_point():
+    if pid is not None and _is_sequence_tensor(pid, B, S) and pid.dim() == 2 and not pid.is_floating_point():
         doc = document_starts(pid)
         if doc is not None:  # packed documents; the padding continues the last one (as its positions do)
             doc = doc.to(device).expand(B, S)

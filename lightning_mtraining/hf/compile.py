@@ -22,8 +22,8 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> list[nn.M
     the loss, the hooks) stays eager. Returns the compiled layers.
 
     Under context parallelism the attention of a layer is custom ops while it compiles (the dense ring, the pattern
-    estimator and the sparse ring: :mod:`lightning_mtraining.ring.dense_op`, :mod:`lightning_mtraining.ring.sparse_op`), so a
-    layer compiles with ``fullgraph=True``. Call it after :func:`prepare_model` (or
+    estimator and the sparse ring: :mod:`lightning_mtraining.ring.dense_op`, :mod:`lightning_mtraining.ring.sparse_op`),
+    so a layer compiles with ``fullgraph=True``. Call it after :func:`prepare_model` (or
     :func:`~lightning_mtraining.hf.parallel.apply_context_parallel`) and after enabling activation checkpointing; the
     module names and the ``state_dict`` keys do not change (``nn.Module.compile``, no ``_orig_mod`` wrapper).
 

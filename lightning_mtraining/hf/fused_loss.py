@@ -8,7 +8,8 @@ Re-exported by :mod:`lightning_mtraining.hf`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ class FusedLoss:
     ``predict``) are untouched and return logits as usual.
     """
 
-    def __init__(self, model: nn.Module, backend: str = "auto") -> None:
+    def __init__(self, model: Any, backend: str = "auto") -> None:  # a transformers PreTrainedModel
         from lightning_mtraining.hf.losses import FUSED_LOSS_BACKENDS
 
         if backend not in FUSED_LOSS_BACKENDS:
@@ -76,7 +77,8 @@ class FusedLoss:
         self.logit_scale = self._mul / self._div
         self._hidden: torch.Tensor | None = None
         self._pending: dict[str, Any] | None = None
-        self.head.forward = self._head_forward  # an instance attribute: no module or state_dict change
+        # an instance attribute: no module or state_dict change
+        self.head.forward = self._head_forward  # type: ignore[method-assign, assignment]
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             # before any other forward hook (the context-parallel hook scales the loss this one puts back)
@@ -125,6 +127,7 @@ class FusedLoss:
         kwargs.pop("labels", None)
         kwargs.pop("shift_labels", None)
         if shift is None:  # Hugging Face's shift: position t predicts token t + 1, the last position nothing
+            assert labels is not None
             shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         self._pending = {"targets": shift, "num_items": kwargs.pop("num_items_in_batch", None)}
         return args, kwargs
@@ -193,7 +196,7 @@ def _lazy_logits(output: Any, make: Callable[[], torch.Tensor]) -> Any:
     return output
 
 
-def prepare_fused_loss(model: nn.Module, backend: str = "auto") -> FusedLoss | None:
+def prepare_fused_loss(model: Any, backend: str = "auto") -> FusedLoss | None:
     """Install :class:`FusedLoss` on ``model`` if its type is in ``FUSED_LOSS_MODEL_TYPES`` (else None: the model
     keeps its plain loss); ``backend`` as :func:`~lightning_mtraining.hf.losses.fused_linear_cross_entropy`'s."""
     if getattr(model.config, "model_type", None) not in FUSED_LOSS_MODEL_TYPES:

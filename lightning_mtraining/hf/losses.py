@@ -19,10 +19,11 @@ What is right, on a shard and on one device alike:
   (``targets[:, t]`` is the token after position ``t``, -100 where there is none), for per-token metrics:
   ``metrics.token_loss_sum(logits, targets)``, ``(logits.argmax(-1) == targets)``, ...
 
-Both helpers find the shard's record through the tensors themselves (:func:`~lightning_mtraining.distributed.sharding.shard_of`):
-the batch tensors and the logits the model returns carry it, so no strategy needs to be passed. A tensor that
-carries none (one device, plain DDP, or ``context_parallel_size=1``) is treated as a whole sequence: the
-ordinary local shift and mean, exactly what Hugging Face computes.
+Both helpers find the shard's record through the tensors themselves
+(:func:`~lightning_mtraining.distributed.sharding.shard_of`): the batch tensors and the logits the model returns carry
+it, so no strategy needs to be passed. A tensor that carries none (one device, plain DDP, or
+``context_parallel_size=1``) is treated as a whole sequence: the ordinary local shift and mean, exactly what Hugging
+Face computes.
 
 Note [Checking the loss]
 ------------------------
@@ -55,8 +56,8 @@ from lightning_mtraining.core.layouts import document_starts
 from lightning_mtraining.distributed.sharding import (
     IGNORE_INDEX,
     ShardedBatch,
-    shard_of,
     padded_labels_error,
+    shard_of,
     shift_labels,
     shift_labels_sharded,
 )
@@ -81,7 +82,7 @@ MAX_SEARCH_NODES = 1000
 def mark_loss(loss: torch.Tensor) -> torch.Tensor:
     """Mark ``loss`` as made by a sharding-aware path (see Note [Checking the loss]); returns it."""
     if loss.grad_fn is not None:
-        loss.grad_fn.metadata[LOSS_MARK] = True
+        loss.grad_fn.metadata[LOSS_MARK] = True  # type: ignore[index]  # a dict property; torch's stub says method
     return loss
 
 
@@ -115,7 +116,8 @@ def unmarked_loss_message(owner: str, cp_size: int, layout: str) -> str:
         "`self.model(**batch).loss` (or pass labels=), or compute it with "
         "`lightning_mtraining.causal_lm_loss(logits, batch)`; per-token metrics: "
         "`lightning_mtraining.causal_lm_targets(batch)`. If your loss is right on shards by construction, pass "
-        "loss_check='warn' or 'off' to the strategy (README, 'What a step may do under context parallelism')."
+        "loss_check='warn' or 'off' to the strategy (docs/strategies-and-sparsity.md, 'What a step may do under "
+        "context parallelism')."
     )
 
 

@@ -29,7 +29,8 @@ all-reduce over the CP group per forward. ``self.log(..., sync_dist=True)`` then
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,9 +131,9 @@ def _is_hf_model(module: nn.Module) -> bool:
     return isinstance(module, PreTrainedModel)
 
 
-def find_hf_models(root: nn.Module) -> list[nn.Module]:
+def find_hf_models(root: nn.Module) -> list[Any]:
     """The outermost ``transformers.PreTrainedModel`` instances inside ``root`` (``root`` itself included)."""
-    found: list[nn.Module] = []
+    found: list[Any] = []  # transformers PreTrainedModel instances
 
     def visit(m: nn.Module) -> None:
         if _is_hf_model(m):
@@ -145,7 +146,7 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
+def attention_modules(model: nn.Module) -> list[Any]:
     """The attention modules of a Hugging Face model (they hold ``layer_idx`` and ``is_causal``)."""
     # Decoder layers hold a layer index but no causality flag.
     return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx") and m is not model]
@@ -203,7 +204,7 @@ class PreparedModel:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # a transformers PreTrainedModel
         plan: ContextParallelPlan,
         layer_sparsity: Callable[[int], Any] | None = None,
     ) -> None:

@@ -34,8 +34,8 @@ The per-batch state (the current shard) is kept in the handle's plan, which the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,8 +197,10 @@ class ContextParallel:
             self.tiled = None
         for fused in self.fused:
             fused.restore()
-        for hooked in (*self.prepared, *self.packed):
-            hooked.restore()
+        for prepared in self.prepared:
+            prepared.restore()
+        for packed in self.packed:
+            packed.restore()
         self.fused, self.prepared, self.packed = [], [], []
         self.plan.current = None
         self.plan.schedule = None
@@ -207,11 +209,11 @@ class ContextParallel:
 class PackedDocuments:
     """Packed documents on one device with the model's own attention (no ring attention installed).
 
-    ``transformers`` reads packed documents from ``position_ids`` only when no ``attention_mask`` and no cache is
-    passed (``masking_utils.find_packed_sequence_indices`` in ``_preprocess_mask_arguments``), and a training forward
-    of a model whose config has ``use_cache=True`` (the default) creates a cache: the documents would silently attend
-    to each other. For a forward whose ``position_ids`` restart (:func:`~lightning_mtraining.core.layouts.document_starts`)
-    this pre-hook passes ``use_cache=False``, drops an all-ones ``attention_mask``, and sets ``labels`` to -100 at each
+    ``transformers`` reads packed documents from ``position_ids`` only when no ``attention_mask`` and no cache is passed
+    (``masking_utils.find_packed_sequence_indices`` in ``_preprocess_mask_arguments``), and a training forward of a
+    model whose config has ``use_cache=True`` (the default) creates a cache: the documents would silently attend to each
+    other. For a forward whose ``position_ids`` restart (:func:`~lightning_mtraining.core.layouts.document_starts`) this
+    pre-hook passes ``use_cache=False``, drops an all-ones ``attention_mask``, and sets ``labels`` to -100 at each
     document's first token (no target crosses a boundary, as under context parallelism). :meth:`restore` removes it.
     """
 
@@ -267,8 +269,8 @@ def apply_context_parallel(
     splitting their decoder layers over ``mesh[tp_dim]`` when the mesh has that axis with more than one rank.
 
     Args:
-        model: a ``transformers`` causal LM, or a module holding some.
-        mesh: a device mesh with a ``cp_dim`` dimension (``("dp", "cp")``, or :func:`~lightning_mtraining.distributed.mesh.
+        model: a ``transformers`` causal LM, or a module holding some. mesh: a device mesh with a ``cp_dim`` dimension
+        (``("dp", "cp")``, or :func:`~lightning_mtraining.distributed.mesh.
             build_mesh`'s four axes); ``None``: one process, no split.
         tp_dim: the tensor parallel axis; absent or of size 1: no tensor parallelism. The split stays when
             :meth:`ContextParallel.restore` undoes the rest.
@@ -319,7 +321,8 @@ def apply_context_parallel(
 
 def apply_fsdp(module: nn.Module, mesh: DeviceMesh | None, *, reshard_after_forward: bool = True) -> bool:
     """FSDP2 ``fully_shard`` every decoder layer, then each Hugging Face model inside ``module``, over the dp x cp
-    part of ``mesh`` (:func:`~lightning_mtraining.distributed.mesh.fsdp_mesh`: HSDP when the mesh has ``dp_replicate > 1``).
+    part of ``mesh`` (:func:`~lightning_mtraining.distributed.mesh.fsdp_mesh`: HSDP when the mesh has ``dp_replicate >
+    1``).
     Apply after tensor parallelism. Returns False (and does nothing) without a mesh."""
     from torch.distributed.fsdp import fully_shard
 

@@ -1,10 +1,10 @@
 """Sparse prefill for Hugging Face ``generate``: the training pattern and kernels serve the prompt, dense decoding.
 
-One call registers an attention function with ``transformers``; a model switched to it runs its *prefill* (the
-forward over the prompt) with the vertical-slash pattern estimated online from the prompt's own Q and K
+One call registers an attention function with ``transformers``; a model switched to it runs its *prefill* (the forward
+over the prompt) with the vertical-slash pattern estimated online from the prompt's own Q and K
 (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`, one device) and the sparse kernels
-(:func:`~lightning_mtraining.sparsity.attention.sparse_attention`: Triton on CUDA, the torch path elsewhere); every other
-forward (decode steps, a continued prefill over a cache that already holds tokens) runs exact dense attention
+(:func:`~lightning_mtraining.sparsity.attention.sparse_attention`: Triton on CUDA, the torch path elsewhere); every
+other forward (decode steps, a continued prefill over a cache that already holds tokens) runs exact dense attention
 through transformers' own SDPA function against the cache::
 
     import lightning_mtraining as lmt
@@ -45,7 +45,8 @@ would.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -30,45 +30,42 @@ extension: ``"theta:B"`` sets the base to B (adjusted base frequency), ``"yarn:F
 the model's native context (``max_position_embeddings`` becomes F times it). RoPE is computed by transformers from
 ``position_ids``, so the ring attention of this package sees the rotated queries and keys whatever the RoPE type.
 
-Corpus helpers: :class:`TokenizerPackageEncoder` turns a standard-library package into the model's tokens (for
-:func:`lightning_mtraining.data.corpus.build_stdlib_corpus`), :func:`document_separator_id` is the token packed documents
-are joined with, :func:`tokenizer_encode` a picklable ``encode(str) -> list[int]`` without special tokens (for
-:mod:`lightning_mtraining.data.long_tasks`).
+The corpus in a model's tokens (``TokenizerPackageEncoder``, ``document_separator_id``, ``tokenizer_encode``,
+``tokenizer_fingerprint``, ``corpus_dir_for``) lives in :mod:`lightning_mtraining.data.model_tokens`; the names still
+resolve from here, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
+import importlib
 import importlib.util
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import torch
+
+from lightning_mtraining.core.deprecation import warn_moved
 
 __all__ = [
     "GGUF_REQUIREMENTS",
     "SMOLLM2",
     "SMOLLM2_GGUF",
     "PretrainedSource",
-    "TokenizerPackageEncoder",
     "apply_rope",
     "convert_gguf",
-    "corpus_dir_for",
-    "document_separator_id",
     "extend_context",
     "load_pretrained",
     "load_tokenizer",
     "local_checkpoint",
     "packaged_gguf",
     "resolve_pretrained",
-    "tokenizer_encode",
-    "tokenizer_fingerprint",
 ]
 
 SMOLLM2 = "smollm2"  # the short name of the packaged GGUF
@@ -99,13 +96,13 @@ class PretrainedSource:
     def name(self) -> str:
         """A short readable name: the GGUF file's or folder's stem, or the hub id."""
         if self.kind == "gguf":
-            return Path(self.gguf_file).stem
+            return Path(str(self.gguf_file)).stem
         return Path(self.location).name if self.kind == "folder" else self.location
 
     @property
     def path(self) -> str:
         """The GGUF file's full path, or ``location``."""
-        return os.path.join(self.location, self.gguf_file) if self.kind == "gguf" else self.location
+        return os.path.join(self.location, str(self.gguf_file)) if self.kind == "gguf" else self.location
 
 
 def packaged_gguf() -> Path:
@@ -266,13 +263,30 @@ def load_tokenizer(source: str | os.PathLike | PretrainedSource, **kwargs: Any) 
     src = source if isinstance(source, PretrainedSource) else resolve_pretrained(source)
     if src.kind == "gguf":
         _check_gguf_requirements()
-        return AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file, **kwargs)
-    return _hub_guard(src, lambda: AutoTokenizer.from_pretrained(src.location, **kwargs))
+        return _load(src, lambda: AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file, **kwargs))
+    return _load(src, lambda: AutoTokenizer.from_pretrained(src.location, **kwargs))
 
 
-def _hub_guard(src: PretrainedSource, load):
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside (a GGUF's conversion and the weight loading print hundreds of updates,
+    on every rank), back as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = getattr(hf_logging, "is_progress_bar_enabled", lambda: True)()
+    hf_logging.disable_progress_bar()
     try:
-        return load()
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load(src: PretrainedSource, load):
+    """``load()``, a transformers call reading ``src``: without progress bars, and a hub failure explained."""
+    try:
+        with _no_progress_bars():
+            return load()
     except OSError as e:
         if src.kind != "hub":
             raise
@@ -319,7 +333,7 @@ def load_pretrained(
         from transformers.utils.quantization_config import GgufConfig
 
         kwargs = {"gguf_file": src.gguf_file, "quantization_config": GgufConfig(dequantize=True)}
-    config = _hub_guard(src, lambda: AutoConfig.from_pretrained(src.location, gguf_file=kwargs.get("gguf_file")))
+    config = _load(src, lambda: AutoConfig.from_pretrained(src.location, gguf_file=kwargs.get("gguf_file")))
     apply_rope(config, rope)
     if num_layers is not None:
         if num_layers > config.num_hidden_layers:
@@ -327,7 +341,7 @@ def load_pretrained(
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):
             config.layer_types = list(config.layer_types[:num_layers])
-    model = _hub_guard(src, lambda: AutoModelForCausalLM.from_pretrained(
+    model = _load(src, lambda: AutoModelForCausalLM.from_pretrained(
         src.location, config=config, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs))
     model = _plain(model).eval()
     tok = load_tokenizer(src) if tokenizer else None
@@ -381,73 +395,14 @@ def local_checkpoint(source: str | os.PathLike, cache_dir: str | os.PathLike | N
     return str(convert_gguf(src.path, root / f"{src.name}_float32"))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# tokens for the corpus and the generated tasks
-# ---------------------------------------------------------------------------------------------------------------
+# Names that moved to lightning_mtraining.data.model_tokens (the data layer, above this one): resolved on use for code
+# that imports them from here, with a DeprecationWarning; nothing in the package takes this path.
+_MOVED_TO_DATA = ("TokenizerPackageEncoder", "corpus_dir_for", "document_separator_id", "tokenizer_encode",
+                  "tokenizer_fingerprint")
 
 
-def document_separator_id(tokenizer: Any) -> int:
-    """The token that ends a packed document: ``<|endoftext|>`` where the vocabulary has it (what GPT-2-style and
-    SmolLM tokenizers put between pretraining documents; SmolLM2's GGUF names ``<|im_start|>`` its EOS, a chat
-    token), else the tokenizer's EOS token."""
-    vocab = tokenizer.get_vocab()
-    if "<|endoftext|>" in vocab:
-        return int(vocab["<|endoftext|>"])
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    raise ValueError(f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '?')}) has neither "
-                     "<|endoftext|> nor an EOS token to separate documents; set tokenizer.eos_token")
-
-
-class tokenizer_encode:  # noqa: N801 - used as a function: encode = tokenizer_encode(tokenizer)
-    """``encode(text) -> list[int]`` with the tokenizer, no special tokens added; picklable (litdata and DataLoader
-    workers)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def __call__(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of the tokenizer's vocabulary and class: equal fingerprints give equal tokens."""
-    digest = hashlib.sha256(type(tokenizer).__name__.encode())
-    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
-        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # merges, normalizer and pre-tokenizer of fast tokenizers
-        digest.update(backend.to_str().encode())
-    return digest.hexdigest()
-
-
-class TokenizerPackageEncoder:
-    """A package document in a pretrained model's tokens, for ``data.build_stdlib_corpus(encoder=...)``.
-
-    ``encoder(root, files)`` reads each file (UTF-8, undecodable bytes replaced), tokenises ``"# <path>\\n"`` and its
-    source with the model's tokenizer (no special tokens), concatenates the files and ends the document with
-    :func:`document_separator_id`. Token ids are ``uint16`` when the vocabulary fits (SmolLM2: 49152), else
-    ``int32``. ``fingerprint`` (tokenizer hash and format) and ``vocab_size`` identify the build.
-    """
-
-    FORMAT = 1  # part of the fingerprint: bump when the document text changes
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.separator = document_separator_id(tokenizer)
-        self.vocab_size = len(tokenizer)
-        self.dtype = np.uint16 if self.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-        self.fingerprint = f"tokenizer-v{self.FORMAT}-{tokenizer_fingerprint(tokenizer)}"
-
-    def __call__(self, root: str | os.PathLike, files: Sequence[str]) -> np.ndarray:
-        texts = [f"# {rel}\n" + (Path(root) / rel).read_bytes().decode("utf-8", "replace") for rel in files]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        flat = [t for piece in ids for t in piece] + [self.separator]
-        return np.asarray(flat, dtype=self.dtype)
-
-
-def corpus_dir_for(tokenizer: Any, base: str | os.PathLike | None = None) -> Path:
-    """Where the standard-library corpus in this tokenizer's tokens is built by default:
-    ``$MTRAINING_DATA_DIR/stdlib_<fingerprint[:12]>`` (``./data/...`` without the variable; git-ignored)."""
-    root = Path(base) if base is not None else Path(os.environ.get("MTRAINING_DATA_DIR", "data"))
-    return root / f"stdlib_{tokenizer_fingerprint(tokenizer)[:12]}"
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_DATA:
+        warn_moved(f"lightning_mtraining.hf.pretrained.{name}", f"lightning_mtraining.data.model_tokens.{name}")
+        return getattr(importlib.import_module("lightning_mtraining.data.model_tokens"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -127,7 +127,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Mod
 
 
 def local_sparsity(config: Any, tp_rank: int, tp_size: int) -> Any:
-    """``config`` (a :class:`~lightning_mtraining.sparsity.config.SparsityConfig` or None) for the local heads of tp rank
+    """``config`` (a :class:`~lightning_mtraining.sparsity.config.SparsityConfig` or None) for the local heads of tp
+    rank
     ``tp_rank``: per-head budget lists are cut to the rank's contiguous block of pattern heads; the rest is kept."""
     if config is None or tp_size == 1:
         return config

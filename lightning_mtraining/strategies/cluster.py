@@ -1,45 +1,19 @@
-"""From "N machines of G GPUs" to a running job: which world each launcher gives the strategy, the check that the
-launcher's nodes are the ones the rings are cut for, a plan written as a LightningCLI config, the launch commands,
-and an optional Lightning Studio job submission.
-
-Note [Launchers and cluster environments]
------------------------------------------
-The strategies never read launcher variables themselves: Lightning picks a cluster environment at ``Trainer(...)``
-(or ``Fabric(...)``), the first that detects itself in the order below (LSF and MPI come between SLURM and the
-default), and the strategy takes the world size, the global rank and the node rank from it::
-
-    launcher                      detected as (by)                      what Lightning reads
-    ----------------------------  ------------------------------------  --------------------------------------------
-    torchrun --nnodes N            TorchElasticEnvironment               RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK
-      --nproc-per-node G           (TORCHELASTIC_RUN_ID is set)          (the node), MASTER_ADDR, MASTER_PORT
-    srun (SLURM), N nodes with     SLURMEnvironment                      SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS,
-      --ntasks-per-node G          (SLURM_NTASKS is set, job name not    SLURM_NODEID; MASTER_ADDR is the first host
-                                   "bash" or "interactive")              of SLURM_NODELIST, MASTER_PORT from the job id
-    Lightning Studio multi-        LightningEnvironment (the default)    NODE_RANK, MASTER_ADDR, MASTER_PORT; Lightning
-      machine job, or plain                                              starts the machine's G processes itself (the
-      ``python`` on each machine                                         others with LOCAL_RANK set)
-
-``Trainer(devices=G, num_nodes=N)`` says how many processes a node runs and how many nodes there are. Lightning
-checks ``G x N`` against torchrun's WORLD_SIZE and, under SLURM, ``G`` against ``--ntasks-per-node`` and ``N``
-against ``--nodes``. A CP group is ``cp`` consecutive global ranks and an inner ring ``inner_ring_size`` consecutive
-ranks of it, so they stay inside a node only if node ``n`` holds global ranks ``n G .. n G + G - 1``: the strategies
-check exactly that for every rank before building the mesh (:func:`check_node_layout`). It fails when ``devices``
-differs from the launcher's processes per node (``torchrun --nproc-per-node 4`` under ``Trainer(devices=8,
-num_nodes=1)`` passes Lightning's check on a world of 8) or when the launcher numbers ranks round-robin over nodes
-(``srun --distribution=cyclic``).
-
-With ``num_nodes > 1`` and ``inner_ring_size=None``, a CP group that spans nodes runs the hierarchical ring with its
-inner rings inside a node (:func:`~lightning_mtraining.distributed.mesh.resolve_inner_ring_size`), and rank 0's
-mesh line says where each ring runs, e.g. ``world 32 (4 nodes x 8) = dp 1 x cp 32, hierarchical ring: 4 outer
-(across nodes) x 8 inner (within a node), striped layout (block 128)``.
+"""Job tooling, from "N machines of G GPUs" to a running job: a plan written as a LightningCLI config, a dry run that
+builds every rank's strategy and mesh for a cluster shape in one CPU process (:func:`simulate_cluster`), the launch
+commands of each launcher, and an optional Lightning Studio job submission. Nothing here runs inside a training job;
+the check a running strategy makes of its launcher's world is :mod:`lightning_mtraining.strategies.node_layout`
+(Note [Launchers and cluster environments] there: which world each launcher gives the strategy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,40 +21,23 @@ from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.distributed.mesh import resolve_context_parallel_size, resolve_inner_ring_size
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
+from lightning_mtraining.strategies.node_layout import check_node_layout  # its home before the split; still here
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
 __all__ = [
+    "SimulatedRank",
     "check_node_layout",
     "cli_command",
+    "describe_simulation",
     "launch_commands",
     "machine_gpus",
+    "simulate_cluster",
     "sparsity_init",
     "studio_job_request",
     "submit_studio_job",
     "to_yaml",
     "trainer_config",
 ]
-
-
-def check_node_layout(node_rank: int, global_rank: int, ranks_per_node: int, num_nodes: int, environment: str,
-                      owner: str) -> None:
-    """Raise ValueError when this rank runs on another node than ``global_rank // ranks_per_node``, the node the
-    strategy cuts CP groups and inner rings by (Note [Launchers and cluster environments]).
-
-    ``node_rank``: the node the cluster environment (named ``environment``) reports for this process;
-    ``ranks_per_node`` and ``num_nodes``: ``Trainer(devices=..., num_nodes=...)``.
-    """
-    expected = global_rank // ranks_per_node
-    if node_rank == expected:
-        return
-    raise ValueError(
-        f"{owner}: global rank {global_rank} runs on node {node_rank} ({environment}), but with devices="
-        f"{ranks_per_node} and num_nodes={num_nodes} the strategy takes node {expected} to hold ranks "
-        f"{expected * ranks_per_node}..{expected * ranks_per_node + ranks_per_node - 1}: its context-parallel groups "
-        "and inner rings would straddle nodes. Set devices to the processes the launcher starts on each node "
-        "(torchrun --nproc-per-node, SLURM --ntasks-per-node) and num_nodes to the number of nodes; under SLURM keep "
-        "the default block distribution of tasks (not --distribution=cyclic)"
-    )
 
 
 def sparsity_init(sparsity: SparsityConfig | None) -> dict[str, Any] | None:
@@ -179,7 +136,7 @@ def trainer_config(
     }
 
 
-def to_yaml(config: Mapping[str, Any], comments: str | list[str] = ()) -> str:
+def to_yaml(config: Mapping[str, Any], comments: str | Sequence[str] = ()) -> str:
     """``config`` as YAML in its own key order, under ``comments`` (each line written as a ``#`` comment)."""
     import yaml  # a dependency of Lightning (LightningCLI reads YAML with it)
 
@@ -321,3 +278,150 @@ def submit_studio_job(command: str, **request: Any) -> Any:
     (imported here, not at package import) and a Lightning AI login."""
     job_request = studio_job_request(command, **request)
     return _lightning_sdk().Job.run(**job_request)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a dry run: every rank's strategy and mesh for a cluster shape, in one CPU process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedRank:
+    """What one rank of a simulated cluster built: its place (``rank``, ``node``, ``local_rank``), the global ranks
+    of each of its mesh axes' groups (``groups``: axis name -> ranks, e.g. ``{"dp": (1, 9), "cp": (8, ..., 15)}``),
+    its inner and outer rings (None for a flat ring), and the mesh line rank 0 logs (``mesh_line``)."""
+
+    rank: int
+    node: int
+    local_rank: int
+    groups: dict[str, tuple[int, ...]]
+    inner: tuple[int, ...] | None
+    outer: tuple[int, ...] | None
+    mesh_line: str
+
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def _as_torchrun_rank(rank: int, nodes: int, devices: int) -> Iterator[None]:
+    """This process's environment as torchrun sets it for ``rank`` of ``nodes x devices`` (no main address: nothing
+    connects), restored after."""
+    world = nodes * devices
+    values = dict(RANK=rank, LOCAL_RANK=rank % devices, GROUP_RANK=rank // devices, ROLE_RANK=rank, WORLD_SIZE=world,
+                  LOCAL_WORLD_SIZE=devices, GROUP_WORLD_SIZE=nodes, ROLE_WORLD_SIZE=world,
+                  TORCHELASTIC_RUN_ID="mtraining-dry-run")
+    from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+    from lightning_utilities.core import rank_zero as utilities_rank_zero
+
+    saved = {name: os.environ.get(name) for name in _TORCHRUN_VARS}
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in quiet]
+    # the strategy sets the rank rank_zero_info prints on: this process's own once the simulated rank is done
+    zero: list[tuple[Any, Any]] = [(module.rank_zero_only, getattr(module.rank_zero_only, "rank", None))
+            for module in (fabric_rank_zero, utilities_rank_zero)]
+    try:
+        for name in _TORCHRUN_VARS:
+            os.environ.pop(name, None)
+        os.environ.update({name: str(value) for name, value in values.items()})
+        for logger in quiet:  # the Trainer's device banner, once per simulated rank otherwise
+            logger.setLevel(logging.WARNING)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+        for function, rank in zero:
+            if rank is not None:
+                function.rank = rank
+
+
+def _fake_process_group(rank: int, world: int) -> None:
+    """A process group of ``world`` ranks in which this process is ``rank`` and no collective communicates (torch's
+    fake backend, registered by the module that defines it)."""
+    import torch.distributed as dist
+
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    except ImportError as error:
+        raise RuntimeError(f"simulate_cluster needs torch's fake process group, which this torch lacks "
+                           f"({error})") from error
+    dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
+
+
+def simulate_cluster(build_strategy: Callable[[], Any], nodes: int, devices: int) -> list[SimulatedRank]:
+    """Build, in this process and on CPU, what each rank of a ``nodes x devices`` cluster builds: for every global
+    rank, ``build_strategy()`` runs with that rank's torchrun environment (it constructs the Trainer or Fabric of the
+    job, whose strategy then makes its checks before launch: sizes, sparsity, node layout), and the strategy builds
+    its mesh and rings over a fake process group of the whole world (no communication, no GPU, nothing started).
+
+    Args:
+        build_strategy: returns the strategy of a Trainer (or Fabric) built as the job builds it, with a CPU
+            accelerator.
+        nodes, devices: the cluster shape (``Trainer(num_nodes=..., devices=...)``).
+
+    Returns:
+        each rank's :class:`SimulatedRank`, in rank order. Raises what the strategy raises on the first rank that
+        fails.
+    """
+    import torch.distributed as dist
+
+    from lightning_mtraining.distributed.mesh import describe_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate_cluster builds its own process groups: call it where none is initialised")
+    world, ranks = nodes * devices, []
+    for rank in range(world):
+        with _as_torchrun_rank(rank, nodes, devices):
+            strategy = build_strategy()
+            _fake_process_group(rank, world)
+            try:
+                strategy._build_context_parallel()
+                mesh, plan = strategy.device_mesh, strategy.plan
+                names = mesh.mesh_dim_names or ()
+                groups = {name: tuple(dist.get_process_group_ranks(mesh.get_group(name))) for name in names}
+                inner = tuple(dist.get_process_group_ranks(plan.inner_group)) if plan.inner_group else None
+                outer = tuple(dist.get_process_group_ranks(plan.outer_group)) if plan.outer_group else None
+                o = strategy.options
+                line = describe_mesh(type(strategy).__name__, world, strategy.cp_size, strategy.inner_ring_size,
+                                     o.layout, o.block_size, o.data_parallel_replicate_size, o.tensor_parallel_size,
+                                     num_nodes=nodes)
+            finally:
+                strategy._release_process_groups()
+                dist.destroy_process_group()
+        ranks.append(SimulatedRank(rank, rank // devices, rank % devices, groups, inner, outer, line))
+    return ranks
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    """``(8, 9, 10, 11)`` -> ``"8..11"``; ``(1, 9, 17)`` -> ``"1, 9, 17"``."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def describe_simulation(ranks: list[SimulatedRank], devices: int) -> list[str]:
+    """What :func:`simulate_cluster` found, as lines: rank 0's mesh line, one line per rank (its groups and rings),
+    and whether every CP group, or else every inner ring, stays inside a node (the slow link only between nodes)."""
+    lines = [ranks[0].mesh_line]
+    for r in ranks:
+        groups = "; ".join(f"{name} [{_ranges(g)}]" for name, g in r.groups.items())
+        rings = f"; inner ring [{_ranges(r.inner)}], outer ring [{_ranges(r.outer)}]" if r.inner and r.outer else ""
+        lines.append(f"  rank {r.rank} (node {r.node}, local rank {r.local_rank}): {groups}{rings}")
+
+    def inside_a_node(group: tuple[int, ...]) -> bool:
+        return len({rank // devices for rank in group}) == 1
+
+    if all(inside_a_node(r.groups.get("cp", (r.rank,))) for r in ranks):
+        lines.append("every context-parallel group lies inside one node: its ring never crosses nodes")
+    elif all(r.inner is not None and inside_a_node(r.inner) for r in ranks):
+        lines.append("every inner ring lies inside one node: only the outer rings cross nodes")
+    else:
+        lines.append("WARNING: some rings cross nodes in every step (inner rings straddle nodes): set inner_ring_size "
+                     "to the processes of one node, or leave it None")
+    return lines

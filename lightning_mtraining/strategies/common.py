@@ -10,16 +10,23 @@ import atexit
 import copy
 import gc
 import sys
+import warnings
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_mtraining.core.errors import group_ranks, mark_same_on_ranks, same_on_ranks
+from lightning_mtraining.core.errors import (
+    claim_first_failure,
+    group_ranks,
+    mark_same_on_ranks,
+    same_on_ranks,
+    watch_failures,
+)
 from lightning_mtraining.distributed.mesh import (
     build_context_parallel,
     describe_mesh,
@@ -34,10 +41,10 @@ from lightning_mtraining.hf.model import PreparedModel, find_hf_models, validate
 from lightning_mtraining.hf.parallel import ContextParallel, check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY
 from lightning_mtraining.sparsity.schedule import AttentionSchedule
-from lightning_mtraining.strategies.cluster import check_node_layout
+from lightning_mtraining.strategies.node_layout import check_launcher_layout, check_node_layout
 from lightning_mtraining.strategies.options import ContextParallelOptions
 
-__all__ = ["ContextParallelMixin", "option_view"]
+__all__ = ["ContextParallelMixin", "option_view", "quiet_lightning_pytree_warning"]
 
 
 def _destroy_process_group_at_exit(state: dict[str, Any]) -> None:
@@ -69,6 +76,17 @@ def _destroy_process_group_at_exit(state: dict[str, Any]) -> None:
         gc.collect()  # the mesh is freed by the cycle collector
 
 
+def quiet_lightning_pytree_warning() -> None:
+    """Ignore the one deprecation warning Lightning 2.6's data loop raises on every rank under torch 2.13.
+
+    ``lightning.pytorch.utilities._pytree`` builds a ``LeafSpec``, which torch 2.13 deprecates (a ``FutureWarning``
+    that names an ``isinstance`` check), each time the Trainer's ``CombinedLoader`` flattens its loaders: nothing a
+    user can act on. The filter matches that message from that module only, so every other warning stays.
+    """
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
 def option_view(name: str) -> property:
     """A read-only strategy attribute that reads ``self.options`` (:class:`ContextParallelOptions`)."""
     return property(lambda self: getattr(self.options, name), doc=f"``options.{name}`` (read-only).")
@@ -81,6 +99,7 @@ class ContextParallelMixin:
     """
 
     def _init_context_parallel(self, options: ContextParallelOptions) -> None:
+        quiet_lightning_pytree_warning()  # every process builds its strategy (Lightning's children re-run the script)
         name = type(self).__name__
         # the default is sparse: say so when it is the default that cannot tile the layout
         owner = f"{name}(sparsity=PAPER_SPARSITY, the default)" if options.sparsity == PAPER_SPARSITY else (
@@ -167,6 +186,15 @@ class ContextParallelMixin:
             cp_size = resolve_context_parallel_size(self.options.context_parallel_size, world)
             resolve_inner_ring_size(self.options.inner_ring_size, cp_size, max(devices, 1))
 
+    def _check_world_before_launch(self) -> None:
+        """At ``Trainer(...)`` / ``Fabric(...)``, before any process starts or any process group exists: the sizes,
+        and the launcher's processes against ``devices`` and ``num_nodes`` in both directions (Note [Launchers and
+        cluster environments] in :mod:`lightning_mtraining.strategies.node_layout`)."""
+        self._check_sizes_before_launch()
+        environment = getattr(self, "cluster_environment", None)
+        if environment is not None:
+            check_launcher_layout(environment, max(self.num_processes, 1), self.num_nodes, type(self).__name__)
+
     def _build_context_parallel(self) -> None:
         cp_size, inner = self.cp_size, self.inner_ring_size  # raise on bad sizes before any collective
         self._check_node_layout()
@@ -177,6 +205,8 @@ class ContextParallelMixin:
         if dist.is_initialized() and self._exit_state is None:
             self._exit_state = {"interrupted": False, "release": weakref.WeakMethod(self._release_process_groups)}
             atexit.register(_destroy_process_group_at_exit, self._exit_state)
+        if dist.is_initialized():  # a failure on one rank is reported once, last (Note [The first failure speaks last])
+            watch_failures(self.global_rank, self.world_size)
         mesh = describe_mesh(type(self).__name__, self.world_size, cp_size, inner, o.layout, o.block_size,
                              o.data_parallel_replicate_size, o.tensor_parallel_size, num_nodes=self.num_nodes)
         if mesh != self._logged_mesh:  # once per strategy, not again for each of fit/validate/test/predict
@@ -185,12 +215,20 @@ class ContextParallelMixin:
 
     def _check_node_layout(self) -> None:
         """This rank's node, as the cluster environment reports it, must be the one its CP group and inner ring are
-        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.cluster`)."""
+        cut for (Note [Launchers and cluster environments] in :mod:`lightning_mtraining.strategies.node_layout`)."""
         environment = getattr(self, "cluster_environment", None)
         if environment is None or self.world_size == 1:
             return
         check_node_layout(environment.node_rank(), self.global_rank, max(self.num_processes, 1), self.num_nodes,
                           type(environment).__name__, type(self).__name__)
+
+    def record_failure(self, exception: BaseException, trainer: Any = None) -> None:
+        """``exception`` ends this rank's run: record it as the job's first failure if no other rank failed before,
+        with the Trainer's global step and stage (Note [The first failure speaks last] in
+        :mod:`lightning_mtraining.core.errors`)."""
+        state = getattr(trainer, "state", None)
+        stage = getattr(getattr(state, "fn", None), "value", None)
+        claim_first_failure(exception, getattr(trainer, "global_step", None), stage)
 
     def _release_process_groups(self) -> None:
         """Drop the mesh and the plan's groups (at exit, after ``destroy_process_group``: see the exit hook)."""

@@ -21,20 +21,20 @@ shard's outputs back in global order, unpadded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback
+from lightning_mtraining.callbacks.sparse_attention import SparseAttentionCallback, say_dense_cost_note
 from lightning_mtraining.hf.parallel import check_sparsity_args
 from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
 from lightning_mtraining.strategies.common import ContextParallelMixin
@@ -92,7 +92,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = PAPER_SPARSITY,
+        sparsity: SparsityConfig | str | None = PAPER_SPARSITY,
         attention: SparseAttentionCallback | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -130,7 +130,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Called by Fabric's connector once devices and nodes are known: bad sizes fail at Fabric(...).
-        self._check_sizes_before_launch()
+        self._check_world_before_launch()
         super()._configure_launcher()
         if self._start_method == "popen":  # no local rank outlives a failure (Note [No rank outlives a failure])
             self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
@@ -160,9 +160,7 @@ class MTrainingFabricStrategy(ContextParallelMixin, DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if self.attention_schedule is not None:  # Fabric has no global step: count optimizer steps for the warm-up
             self.attention_schedule.set_step(self.attention_schedule.step + 1)
-            note = self.attention_schedule.dense_cost_note()  # once: a sparse run at a dense run's cost
-            if note is not None:
-                rank_zero_info(note)
+            say_dense_cost_note(self.attention_schedule)  # once: a sparse run at a dense run's cost
         return output
 
     @override

@@ -13,9 +13,9 @@ losses are checked the same way. Checkpoints: Lightning's distributed checkpoint
 ``save_distributed_checkpoint=False`` for one file), which load at another world size.
 
 With ``tensor_parallel_size`` or ``data_parallel_replicate_size`` above 1 the mesh is the N-dimensional one of
-:mod:`lightning_mtraining.distributed.mesh` (``("dp_replicate", "dp_shard", "cp", "tp")``, Note [The mesh axes]): in ``setup``
-the decoder layers are split over ``"tp"`` (:mod:`lightning_mtraining.hf.tensor_parallel`) before FSDP2 shards over
-``dp_shard x cp`` (HSDP over ``dp_replicate``). The CP ring is then flat (no hierarchical rings). Distributed
+:mod:`lightning_mtraining.distributed.mesh` (``("dp_replicate", "dp_shard", "cp", "tp")``, Note [The mesh axes]): in
+``setup`` the decoder layers are split over ``"tp"`` (:mod:`lightning_mtraining.hf.tensor_parallel`) before FSDP2 shards
+over ``dp_shard x cp`` (HSDP over ``dp_replicate``). The CP ring is then flat (no hierarchical rings). Distributed
 checkpoints hold DTensors and load at another (dp, cp, tp) layout.
 """
 
@@ -75,7 +75,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = PAPER_SPARSITY,
+        sparsity: SparsityConfig | str | None = PAPER_SPARSITY,
         loss_check: Literal["raise", "warn", "off"] = "raise",
         gather_outputs: bool = True,
         fused_loss: bool | str = True,
@@ -111,7 +111,8 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
     def _mesh_sizes(self, world: int) -> tuple[int, int, int, int]:
         """``(dp_replicate, dp_shard, cp, tp)`` for ``world`` ranks; ``context_parallel_size="auto"``: every rank
         that is neither a replica nor a tp rank."""
-        replicate, tp, cp = self.data_parallel_replicate_size, self.tensor_parallel_size, self.options.context_parallel_size
+        replicate, tp = self.data_parallel_replicate_size, self.tensor_parallel_size
+        cp = self.options.context_parallel_size
         if cp == "auto":
             if world % (replicate * tp):
                 raise ValueError(
@@ -149,8 +150,8 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
             return super().inner_ring_size
         if self.options.inner_ring_size not in (None, self.cp_size):
             raise ValueError(
-                f"{type(self).__name__}(inner_ring_size={self.options.inner_ring_size}): hierarchical rings are not built "
-                "with tensor_parallel_size or data_parallel_replicate_size above 1; leave inner_ring_size=None"
+                f"{type(self).__name__}(inner_ring_size={self.options.inner_ring_size}): hierarchical rings are not "
+                "built with tensor_parallel_size or data_parallel_replicate_size above 1; leave inner_ring_size=None"
             )
         return self.cp_size
 
@@ -166,7 +167,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
     def _configure_launcher(self) -> None:
         # ModelParallelStrategy's, with the checks before launch and no local rank outliving a failure
         # (Note [No rank outlives a failure] in lightning_mtraining.strategies.launchers)
-        self._check_sizes_before_launch()
+        self._check_world_before_launch()
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CheckedSubprocessScriptLauncher(self, self.cluster_environment, self.num_processes,
@@ -220,7 +221,7 @@ class MTrainingFSDPStrategy(TrainerStepHooks, ContextParallelMixin, ModelParalle
             # Trainer(gradient_clip_val=...): gradients on two meshes, which torch's clip_grad_norm_ refuses
             # (Note [Tensor parallel attention])
             plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign, assignment]
                 plugin.main_params(optimizer), clip_val)
         if not _is_sharded(self.model):
             self._shard_parameters(self.model)

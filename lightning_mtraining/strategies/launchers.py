@@ -32,13 +32,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+from lightning_mtraining.core.errors import claim_first_failure, told_the_others_first
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessScriptLauncher", "FabricSubprocessScriptLauncher",
            "LocalRanks"]
@@ -86,9 +89,12 @@ class LocalRanks(threading.Thread):
             time.sleep(self.poll_s)
 
     def end_after_failure(self) -> None:
-        """This process failed: give the children ``grace_s`` to end on their own, then kill those left."""
+        """This process failed: give the children ``grace_s`` to end on their own, then kill those left. When this
+        process failed first and every other rank has said its one line (Note [The first failure speaks last] in
+        :mod:`lightning_mtraining.core.errors`), they have nothing left to say: they are ended at once."""
         self._this_failed.set()  # the thread no longer ends this process: it is ending on its own
-        deadline = time.monotonic() + self.grace_s
+        grace = 0.0 if told_the_others_first() else self.grace_s
+        deadline = time.monotonic() + grace
         for child in self.children:
             try:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -96,7 +102,8 @@ class LocalRanks(threading.Thread):
                 pass
         running = [i + 1 for i, child in enumerate(self.children) if child.poll() is None]
         if running:
-            self._say(f"local rank(s) {running} still running {self.grace_s:.0f} s after this rank failed: ending them")
+            if grace:  # (told ranks have said why they end)
+                self._say(f"local rank(s) {running} still running {grace:.0f} s after this rank failed: ending them")
             self._kill_children()
 
     def end_if_this_failed(self) -> None:
@@ -153,7 +160,8 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except Exception:
+        except Exception as exception:
+            self._mtraining_strategy.record_failure(exception, trainer)  # before the other ranks are waited for
             if self.local_ranks is not None:
                 self.local_ranks.end_after_failure()
             raise
@@ -189,7 +197,8 @@ class FabricSubprocessScriptLauncher(_FabricSubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except Exception:
+        except Exception as exception:
+            claim_first_failure(exception)  # Note [The first failure speaks last] in lightning_mtraining.core.errors
             if self.local_ranks is not None:
                 self.local_ranks.end_after_failure()
             raise

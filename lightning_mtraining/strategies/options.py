@@ -3,13 +3,13 @@
 :class:`ContextParallelOptions` is the single description of what the Trainer strategy
 (:class:`~lightning_mtraining.strategies.trainer.MTrainingStrategy`), the FSDP2 Trainer strategy
 (:class:`~lightning_mtraining.strategies.fsdp.MTrainingFSDPStrategy`) and the Fabric strategy
-(:class:`~lightning_mtraining.strategies.fabric.MTrainingFabricStrategy`) accept about context parallelism: each field's type,
-default, documentation and validation. The strategies keep explicit keyword arguments (LightningCLI, jsonargparse and
-IDEs read a class's signature), collect them with :meth:`ContextParallelOptions.from_arguments`, and append the
+(:class:`~lightning_mtraining.strategies.fabric.MTrainingFabricStrategy`) accept about context parallelism: each field's
+type, default, documentation and validation. The strategies keep explicit keyword arguments (LightningCLI, jsonargparse
+and IDEs read a class's signature), collect them with :meth:`ContextParallelOptions.from_arguments`, and append the
 fields' documentation to their docstrings with :func:`options_doc`. ``tests/unit/test_options.py`` checks that every
 strategy's signature carries every field it should, with the same default. To add an option: a field here (with its
-entry in :data:`FIELD_DOCS` and its check in ``__post_init__``), then the keyword in each strategy's signature; the
-test names any strategy that lacks it.
+entry in :data:`FIELD_DOCS` and its check in ``__post_init__``), then the keyword in each strategy's signature; the test
+names any strategy that lacks it.
 
 No Lightning import here: the plain-torch path (:func:`~lightning_mtraining.hf.parallel.apply_context_parallel`) may use
 the same checks.
@@ -25,7 +25,7 @@ from typing import Any, Literal
 from lightning_mtraining.core.checks import is_int
 from lightning_mtraining.core.layouts import LAYOUTS
 from lightning_mtraining.hf.losses import FUSED_LOSS_BACKENDS
-from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig
+from lightning_mtraining.sparsity.config import PAPER_SPARSITY, SparsityConfig, parse_sparsity
 
 __all__ = ["ContextParallelOptions", "FIELD_DOCS", "FSDP_ONLY", "LOSS_CHECKS", "OPTIONS_MARKER", "TRAINER_ONLY",
            "document_options", "options_doc"]
@@ -39,8 +39,8 @@ OPTIONS_MARKER = "(the ContextParallelOptions fields, rendered here by document_
 # (nothing to gather), and offloads where the user runs the forward (``torch.autograd.graph.save_on_cpu``).
 TRAINER_ONLY = ("gather_outputs", "offload_activations")
 
-# Options of the N-dimensional mesh (:mod:`lightning_mtraining.distributed.mesh`) that only the FSDP2 strategy accepts: tensor
-# parallel layers are DTensors, which DDP does not reduce, and HSDP is FSDP2's.
+# Options of the N-dimensional mesh (:mod:`lightning_mtraining.distributed.mesh`) that only the FSDP2 strategy accepts:
+# tensor parallel layers are DTensors, which DDP does not reduce, and HSDP is FSDP2's.
 FSDP_ONLY = ("tensor_parallel_size", "data_parallel_replicate_size")
 
 FIELD_DOCS: dict[str, str] = {
@@ -56,7 +56,9 @@ FIELD_DOCS: dict[str, str] = {
     "sparsity": (
         "vertical-slash budgets for sparse ring attention (the pattern is estimated online for every layer and "
         "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) "
-        "attention. The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
+        "attention, or the same as a short string: ``\"paper\"``, ``\"none\"``, ``\"topp:P\"`` or ``\"topk:V,S\"`` "
+        "(:func:`~lightning_mtraining.sparsity.config.parse_sparsity`, as ``examples/train.py --sparsity`` takes it). "
+        "The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
         "PAPER_SPARSITY` (top-p 0.9, caps 4096), which is what ``strategy=\"mtraining\"`` means; "
         "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of the short sequences one "
         "tries first (1-8K tokens) when the model's attention is spread out (random initialisation): such a run logs "
@@ -70,10 +72,10 @@ FIELD_DOCS: dict[str, str] = {
     "fused_loss": (
         "a model called with labels computes its loss from the hidden states a chunk of rows at a time and never "
         "materialises the ``[B, L, vocab]`` logits unless the step reads ``out.logits``; for the model types in "
-        ":data:`~lightning_mtraining.hf.fused_loss.FUSED_LOSS_MODEL_TYPES`, others keep the plain loss. See Note [Fused loss] in "
-        ":mod:`lightning_mtraining.hf.fused_loss`. ``False``: the model's own loss. A backend name picks the "
-        "implementation: ``\"auto\"`` (what ``True`` means: Liger-Kernel on CUDA where it is installed and applies, "
-        "else the torch one), ``\"torch\"`` or ``\"liger\"`` (see "
+        ":data:`~lightning_mtraining.hf.fused_loss.FUSED_LOSS_MODEL_TYPES`, others keep the plain loss. See Note "
+        "[Fused loss] in :mod:`lightning_mtraining.hf.fused_loss`. ``False``: the model's own loss. A backend name "
+        "picks the implementation: ``\"auto\"`` (what ``True`` means: Liger-Kernel on CUDA where it is installed and "
+        "applies, else the torch one), ``\"torch\"`` or ``\"liger\"`` (see "
         ":func:`~lightning_mtraining.hf.losses.fused_linear_cross_entropy`)."),
     "activation_checkpointing": (
         "recompute each decoder layer in backward (Hugging Face ``gradient_checkpointing_enable``, non-reentrant): "
@@ -92,15 +94,16 @@ FIELD_DOCS: dict[str, str] = {
         "all-reduce of a flag per step."),
     "compile": (
         "compile every decoder layer of the Hugging Face models with ``torch.compile`` once they are prepared "
-        "(:func:`~lightning_mtraining.hf.compile.compile_decoder_layers`: each layer in place, as torchtitan compiles its "
-        "blocks; the embeddings, the loss and the hooks stay eager). ``True``: torch's defaults; a dict: "
+        "(:func:`~lightning_mtraining.hf.compile.compile_decoder_layers`: each layer in place, as torchtitan compiles "
+        "its blocks; the embeddings, the loss and the hooks stay eager). ``True``: torch's defaults; a dict: "
         "``torch.compile`` keyword arguments, e.g. ``{\"fullgraph\": True}``. "
         "Ring attention, the pattern estimator and the sparse ring are custom ops inside a compiled layer, so "
         "``fullgraph=True`` holds; the density and imbalance metrics are measured in eager forwards only."),
     "gather_outputs": (
         "(Trainer) return the outputs of ``validation_step``, ``test_step`` and ``predict_step`` whole (tensors "
         "holding this rank's shard of the sequence are gathered, put in global order and unpadded; see "
-        ":meth:`~lightning_mtraining.strategies.common.ContextParallelMixin.gather_outputs`); ``False`` leaves them as shards."),
+        ":meth:`~lightning_mtraining.strategies.common.ContextParallelMixin.gather_outputs`); ``False`` leaves them "
+        "as shards."),
     "offload_activations": (
         "(Trainer) keep the tensors saved for backward during ``training_step`` in pinned host memory: ``True`` all "
         "of them (like ``torch.autograd.graph.save_on_cpu``), an int N those of the first N decoder layers (and the "
@@ -130,7 +133,7 @@ class ContextParallelOptions:
     inner_ring_size: int | None = None
     layout: Literal["striped", "zigzag", "contiguous"] = "striped"
     block_size: int = 128
-    sparsity: SparsityConfig | None = PAPER_SPARSITY
+    sparsity: SparsityConfig | str | None = PAPER_SPARSITY
     loss_check: Literal["raise", "warn", "off"] = "raise"
     fused_loss: bool | str = True
     activation_checkpointing: bool = False
@@ -155,8 +158,14 @@ class ContextParallelOptions:
             raise ValueError(f"{o}(layout=...) must be one of {LAYOUTS}, got {self.layout!r}")
         if not is_int(self.block_size):
             raise ValueError(f"{o}(block_size=...) must be a positive int, got {self.block_size!r}")
+        if isinstance(self.sparsity, str):  # "paper", "none", "topp:P", "topk:V,S": stored as the config they name
+            try:
+                object.__setattr__(self, "sparsity", parse_sparsity(self.sparsity))
+            except ValueError as error:
+                raise ValueError(f"{o}(sparsity=...): {error}") from None
         if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
-            raise TypeError(f"{o}(sparsity=...) must be a SparsityConfig or None, got {type(self.sparsity).__name__}")
+            raise TypeError(f"{o}(sparsity=...) must be a SparsityConfig, a spec string such as 'paper', or None, got "
+                            f"{type(self.sparsity).__name__}")
         for name in ("loss_check", "nonfinite_check"):
             if getattr(self, name) not in LOSS_CHECKS:
                 raise ValueError(f"{o}({name}=...) must be one of {LOSS_CHECKS}, got {getattr(self, name)!r}")

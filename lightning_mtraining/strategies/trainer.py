@@ -74,6 +74,8 @@ class TrainerStepHooks:
     :mod:`lightning_mtraining.strategies.launchers`). Placed before the Lightning strategy in the bases; needs
     :class:`ContextParallelMixin` and ``options.gather_outputs`` and ``options.offload_activations``."""
 
+    _offload: ActivationOffload | None = None  # offload_activations=N: built at the first training step
+
     def check_before_launch(self, trainer: Any, alone: bool = False) -> None:
         """The checks that need the Trainer or the module: sparse callbacks, models that already exist.
 
@@ -155,6 +157,7 @@ class TrainerStepHooks:
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._mark_interrupted()
+        self.record_failure(exception, getattr(self.lightning_module, "_trainer", None))
         super().on_exception(exception)
 
     @override
@@ -190,7 +193,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
         inner_ring_size: int | None = None,
         layout: Literal["striped", "zigzag", "contiguous"] = "striped",
         block_size: int = 128,
-        sparsity: SparsityConfig | None = PAPER_SPARSITY,
+        sparsity: SparsityConfig | str | None = PAPER_SPARSITY,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -228,7 +231,7 @@ class MTrainingStrategy(TrainerStepHooks, ContextParallelMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Called by the Trainer's connector once devices and nodes are known: the sizes fail at Trainer(...).
-        self._check_sizes_before_launch()
+        self._check_world_before_launch()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(

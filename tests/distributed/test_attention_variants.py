@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.ops import CountingOp
-
 from lightning_mtraining import SparsityConfig, global_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.ring.block_ops import TorchBlockOp, tile_classes

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.dist import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers.dist import run_distributed
 
 SEQ, VOCAB = 192, 64
 
@@ -132,7 +133,8 @@ def _layer_worker(rank: int, world_size: int, cases: list):
         backend = "inductor" if name in _INDUCTOR_CASES else "aot_eager"
         for fn in (layer, torch.compile(layer, fullgraph=True, backend=backend)):  # fullgraph: a graph break fails
             for _ in range(2):  # the second call runs the compiled code without tracing (and without the first
-                # call's custom-op aliasing check, Note [Ops under a dispatch mode] in lightning_mtraining.ring.dense_op)
+                # call's custom-op aliasing check, Note [Ops under a dispatch mode] in
+                # lightning_mtraining.ring.dense_op)
                 plan.begin_forward(training=True)  # what the model's hook does before each forward
                 before = estimations(handle)
                 h = hidden.clone().requires_grad_(True)
@@ -208,8 +210,8 @@ def test_ops_run_inside_a_dispatch_mode(monkeypatch):
 @pytest.mark.parametrize("packed", [False, True])
 def test_ring_ops_compile_on_cuda(packed):
     """On one CUDA device (no process group), ``torch.compile(fullgraph=True)`` of the dense ring op (FlexAttention:
-    its first compiled call used to fail in ``BlockMask.from_kv_blocks``, "Cannot access storage of
-    BatchedTensorImpl", Note [Ops under a dispatch mode] in lightning_mtraining.ring.dense_op), and of the estimate and sparse ring ops (the
+    its first compiled call used to fail in ``BlockMask.from_kv_blocks``, "Cannot access storage of BatchedTensorImpl",
+    Note [Ops under a dispatch mode] in lightning_mtraining.ring.dense_op), and of the estimate and sparse ring ops (the
     Triton kernels; packed documents: the torch op), forward and backward, equal the same ops run eagerly."""
     from lightning_mtraining import SparsityConfig
     from lightning_mtraining.core.layouts import document_starts

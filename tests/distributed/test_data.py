@@ -21,6 +21,7 @@ import sysconfig
 import numpy as np
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 
 data = pytest.importorskip("lightning_mtraining.data.corpus", reason="litdata is not installed")
@@ -255,9 +256,9 @@ def _resume_worker(rank: int, world_size: int, corpus: str, ckpt_dir: str) -> di
     import glob
 
     import lightning as L
-    from helpers.training import elastic_env, make_model, quiet
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from helpers.training import elastic_env, make_model, quiet
     from lightning_mtraining import MTrainingStrategy, SparsityConfig
 
     elastic_env(rank, world_size, world_size)

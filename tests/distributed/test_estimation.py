@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import run_distributed
 from helpers.pattern_ref import pattern_lists, reference_pattern
-
 from lightning_mtraining import shard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.sparsity.config import SparsityConfig
@@ -151,7 +151,8 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="estimate_pattern: q \\(2, 6, 64, 8\\) and k/v \\(2, 2, 32, 8\\) must agree "
                                          "on batch, local sequence length"):
         estimate_pattern(q, k[:, :, :32], cfg)
-    with pytest.raises(ValueError, match="estimate_pattern: query heads \\(\\d+\\) must be a multiple of key/value heads"):
+    with pytest.raises(ValueError,
+                       match="estimate_pattern: query heads \\(\\d+\\) must be a multiple of key/value heads"):
         estimate_pattern(q[:, :5], k, cfg)
     with pytest.raises(ValueError, match="seq_len \\[65, 65\\] must be in \\[1, 64\\]"):
         estimate_pattern(q, k, cfg, seq_len=65)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import check_against_reference, elastic_env, make_model, make_samples, quiet
 

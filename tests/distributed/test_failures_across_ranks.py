@@ -7,6 +7,10 @@ rank 1 as a child of rank 0), as a user sees them.
 - Rank 0 fails while rank 1 stalls in its step: the job ends and rank 1 with it; no process outlives the job (Note
   [No rank outlives a failure] in lightning_mtraining.strategies.launchers). Without it, rank 1 kept running after
   rank 0 had exited.
+- Rank 1 raises in ``training_step`` at step 2 while rank 0 waits for it in a collective: rank 0 says in one line that
+  rank 1 failed first; rank 1's report (its own frames, the message, its rank and step) comes last, once, in under 30
+  lines (Note [The first failure speaks last] in lightning_mtraining.core.errors). Without it: 346 lines, the cause
+  mid-log and rank 0's consequential error, which does not name rank 1, last.
 
 The script is written into the test's folder and run with this interpreter; a ~25 s run each on 2 CPU cores.
 """
@@ -32,6 +36,7 @@ from helpers.models import make_model
 from lightning_mtraining import MTrainingStrategy
 
 mode, folder = sys.argv[1], sys.argv[2]
+steps = 4 if mode == "rank1_at_step2" else 1
 
 
 class Module(L.LightningModule):
@@ -47,19 +52,21 @@ class Module(L.LightningModule):
             while not os.path.exists(os.path.join(folder, "rank1.pid")):  # rank 1 is stalling now
                 time.sleep(0.1)
             raise RuntimeError("rank 0 fails")
+        if mode == "rank1_at_step2" and self.global_rank == 1 and self.global_step == 2:
+            raise RuntimeError("rank 1 fails at step 2")
         return self.model(**batch).loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-ids = torch.randint(1, 64, (2, 40))
+ids = torch.randint(1, 64, (8, 40))
 mask = torch.ones_like(ids)
 if mode == "left_padding":
     mask[:, :3] = 0
-data = [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(2)]
+data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(8)]
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MTrainingStrategy(sparsity=None, block_size=16),
-                    max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
 trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
 """
@@ -125,4 +132,21 @@ def test_no_rank_outlives_a_failure_while_another_stalls(tmp_path):
     assert (tmp_path / "rank1.pid").exists(), out  # rank 1 did stall
     assert left_running is None, f"rank 1 (pid {left_running}) outlived the job:\n{out}"
     assert code == 1, out
-    assert "RuntimeError: rank 0 fails" in out and "local rank(s) [1] still running" in out, out
+    # rank 1, stalled in its step, was told and said so in one line; rank 0's report comes last
+    assert "[rank1]: ending: rank 0 failed first at step 0 (RuntimeError: rank 0 fails)" in out, out
+    assert out.rstrip().splitlines()[-2] == "[rank0]: RuntimeError: rank 0 fails", out
+
+
+def test_the_first_failure_is_printed_last_once_with_its_rank_and_step(tmp_path):
+    code, out = _run(tmp_path, "rank1_at_step2")
+    assert code == 1, out
+    lines = out.rstrip().splitlines()
+    rank0 = [line for line in lines if line.startswith("[rank0]:")]
+    rank1 = [line for line in lines if line.startswith("[rank1]:")]
+    assert rank0 == ["[rank0]: ending: rank 1 failed first at step 2 (RuntimeError: rank 1 fails at step 2)"], out
+    assert len(rank1) < 30 and lines[-len(rank1):] == rank1, out  # rank 1's report is the end of the output
+    assert rank1[-2] == "[rank1]: RuntimeError: rank 1 fails at step 2", out
+    assert rank1[-1].startswith("[rank1]: rank 1 failed first at step 2;"), out
+    assert any("train.py" in line and "in training_step" in line for line in rank1), out  # the user's frame
+    assert out.count("rank 1 fails at step 2\n") == 1 and "Traceback (most recent call last)" not in out, out
+    assert "lightning/pytorch" not in out and "Connection closed" not in out, out

@@ -11,8 +11,8 @@ their launcher's variables; Lightning's launcher starts processes as a fresh ``p
 - Studio: the platform runs the command once per machine with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
   Lightning (``LightningEnvironment``) starts the machine's second process itself.
 - torchrun: every process gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``,
-  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``. (``tests/distributed/test_multinode.py`` runs
-  real torchrun agents.)
+  ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...); ``TorchElasticEnvironment``.
+  (``tests/distributed/test_multinode.py`` runs real torchrun agents.)
 - SLURM: every process gets srun's variables (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
   ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_NNODES``, ``SLURM_JOB_ID``, ``SLURM_NODELIST``);
   ``SLURMEnvironment`` takes the main address from the node list and the port from the job id.
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.launch import clean_env, free_port
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -38,8 +39,8 @@ HIER_LINE = ("MTrainingStrategy: world 4 (2 nodes x 2) = dp 1 x cp 4, hierarchic
              "inner (within a node), striped layout (block 4)")
 
 def run_processes(tmp_path: Path, envs: list[dict[str, str]], timeout: float = 240) -> str:
-    """Start one process per environment (forked by ``helpers/launch_worker.py`` after its imports), wait for all of them;
-    returns their output."""
+    """Start one process per environment (forked by ``helpers/launch_worker.py`` after its imports), wait for all of
+    them; returns their output."""
     envs_file = tmp_path / "envs.json"
     envs_file.write_text(json.dumps(envs))
     argv = [sys.executable, str(WORKER), str(tmp_path), str(PER_NODE), str(NODES), str(envs_file)]
@@ -127,6 +128,34 @@ def test_node_layout_is_checked(monkeypatch):
     strategy.num_nodes = 2  # as a matching Trainer(devices=2, num_nodes=2) would set it
     strategy.parallel_devices = [torch.device("cpu")] * 2
     strategy._check_node_layout()  # rank 2 = node 1's first process: consistent
+
+
+_WRONG_DEVICES = """
+import lightning as L
+from lightning_mtraining import MTrainingStrategy
+
+L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=MTrainingStrategy(sparsity=None), logger=False)
+print("the Trainer was built")
+"""
+
+
+def test_devices_below_torchruns_processes_fail_before_any_work(tmp_path):
+    """A real ``torchrun --nproc-per-node 2`` on one machine under ``Trainer(devices=1, num_nodes=2)``: both ranks
+    stop at ``Trainer(...)`` with the fix, said once by rank 0 and in one line by rank 1 (without the check: a bare
+    ``IndexError`` from Lightning once a process group exists). ``tests/unit/test_node_layout.py`` has both
+    directions."""
+    script = tmp_path / "wrong_devices.py"
+    script.write_text(_WRONG_DEVICES)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(script)], env=clean_env(), capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "the Trainer was built" not in text, text
+    assert "IndexError" not in text, text
+    assert text.count("[rank0]: ValueError: MTrainingStrategy: the launcher (TorchElasticEnvironment) started 2 "
+                      "processes on each node over 1 node") == 1, text
+    assert text.count("Use devices=2 and num_nodes=1") == 1, text
+    assert [line for line in text.splitlines() if line.startswith("[rank1]:")] == [
+        next(line for line in text.splitlines() if line.startswith("[rank1]: ValueError, reported by rank 0"))], text
 
 
 def test_mesh_line_says_where_rings_run():

@@ -19,8 +19,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.dist import run_distributed
 
+from helpers.dist import run_distributed
 from lightning_mtraining.core.layouts import shard_sequence
 from lightning_mtraining.metrics import (
     AttentionDensity,

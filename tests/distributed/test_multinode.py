@@ -34,6 +34,7 @@ SCENARIOS = [
 def _node_main(out_dir: str) -> None:
     """One rank under torchrun: fit every scenario, save what the test checks."""
     import torch.distributed as dist
+
     from helpers.training import fit
 
     world = int(os.environ["WORLD_SIZE"])

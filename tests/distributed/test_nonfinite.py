@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import elastic_env, make_model, make_samples, quiet
 
@@ -56,8 +57,8 @@ def _fit(devices: int, poison: str, on_ranks=None, **strategy_kwargs: Any) -> tu
 
     module = _module(poison, on_ranks)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}), max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=devices, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}),
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(make_samples(2, SEQ), batch_size=1)
     try:

@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.models import VOCAB, make_model
 from helpers.ops import CountingOp
-
 from lightning_mtraining import (
     SparsityConfig,
     VerticalSlashPattern,
@@ -404,7 +404,8 @@ def _assert_same(got, want):
 # every layout is covered at the ring level above; here the striped default and the contiguous layout (whose rank 0
 # holds only the first document: no documents to mask there, the estimator's collectives still run on every rank)
 @pytest.mark.parametrize("world_size, sparsity, labels_in_step, layout", [
-    (1, None, False, "striped"), (1, None, True, "striped"), (3, None, True, "striped"), (3, "full", False, "contiguous"), (3, "full", True, "striped"),
+    (1, None, False, "striped"), (1, None, True, "striped"), (3, None, True, "striped"),
+    (3, "full", False, "contiguous"), (3, "full", True, "striped"),
 ])
 def test_packed_batch_trains_like_its_documents_one_by_one(world_size, sparsity, labels_in_step, layout):
     want = one_by_one()

@@ -15,6 +15,7 @@ those labels cannot be accepted silently. ``causal_lm_loss(logits, batch)`` on a
 from __future__ import annotations
 
 import torch
+
 from helpers.dist import run_distributed
 from helpers.models import VOCAB, make_model
 

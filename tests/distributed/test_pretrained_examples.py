@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.real_model import needs_real_model, smollm2_folder
 from helpers.scripts import load_script
 

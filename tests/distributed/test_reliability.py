@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import run_distributed
 
 TIMEOUT_S, STALL_S = 3, 8

@@ -1,10 +1,11 @@
 """Dense ring attention against a float64 single-process reference, on 1..8 gloo processes.
 
-Protocol (DESIGN.md "How correctness is shown"): the same random full-sequence q, k, v and output gradient on
-every rank; each rank shards them, runs ring_attention forward and backward, and returns its shards of the
-output and of dq, dk, dv; the parent unshards and compares with dense causal attention computed in float64.
-Sizes are uneven (sequence lengths 3x the layout unit, never powers of two), GQA 6 query heads on 2 KV heads,
-batch 2, head dims 16 and 64, odd world sizes, flat and hierarchical rings.
+Protocol (the one every distributed test follows: the result against a single-process reference in float64, for the
+output and every gradient, at uneven sizes and several world sizes): the same random full-sequence q, k, v and output
+gradient on every rank; each rank shards them, runs ring_attention forward and backward, and returns its shards of the
+output and of dq, dk, dv; the parent unshards and compares with dense causal attention computed in float64. Sizes are
+uneven (sequence lengths 3x the layout unit, never powers of two), GQA 6 query heads on 2 KV heads, batch 2, head dims
+16 and 64, odd world sizes, flat and hierarchical rings.
 """
 
 import math
@@ -12,9 +13,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.references import dense_reference
-
 from lightning_mtraining import global_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.ring.block_ops import TorchBlockOp, merge_attention, tile_classes
@@ -227,5 +228,6 @@ def test_fused_cpu_path_equals_plain_path(layout, w, r, src):
     torch.testing.assert_close(of, op_, rtol=0, atol=1e-5)
     # backward with the final lse of a full ring: here the block's own lse, made finite where rows saw nothing
     lse = torch.where(finite, lp, torch.zeros_like(lp))
-    for a, b in zip(fused.backward(q, k, v, op_, lse, do, qp, kp, 0.3), plain.backward(q, k, v, op_, lse, do, qp, kp, 0.3)):
+    for a, b in zip(fused.backward(q, k, v, op_, lse, do, qp, kp, 0.3),
+                    plain.backward(q, k, v, op_, lse, do, qp, kp, 0.3)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.dist import hierarchical_groups, run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.dist import hierarchical_groups, run_distributed
 from lightning_mtraining import ring_attention, ring_trace, shard_sequence
 from lightning_mtraining.ring.block_ops import TorchBlockOp
 from lightning_mtraining.ring.trace import RingTrace

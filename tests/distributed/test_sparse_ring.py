@@ -1,12 +1,13 @@
 """Sparse ring attention against single-device ``sparse_attention`` on the unsharded tensors, on 1..8 gloo processes.
 
-Protocol (DESIGN.md "How correctness is shown"): the same random full-sequence q, k, v, output gradient and global
-pattern on every rank; each rank shards q/k/v, runs ``ring_attention(..., sparsity=pattern)`` forward and backward,
-and returns its shards of out, dq, dk, dv; the parent unshards them and compares with ``sparse_attention`` (the
-reference path: dense-masked attention, float64) on the whole sequence. Patterns: random verticals (with padding and
-duplicates), the local diagonal, near slashes and an isolated far slash; per query head (G = H) and per KV group
-(G = Hkv); GQA 6 query heads on 2 KV heads; batch 2; tile T = 16; lengths 3 x the layout's unit; all three layouts;
-flat rings W in 1, 2, 3, 4, 8 and hierarchical rings 2x2, 2x4, 4x2.
+Protocol (the one every distributed test follows: the result against a single-process reference in float64, for the
+output and every gradient, at uneven sizes and several world sizes): the same random full-sequence q, k, v, output
+gradient and global pattern on every rank; each rank shards q/k/v, runs ``ring_attention(..., sparsity=pattern)``
+forward and backward, and returns its shards of out, dq, dk, dv; the parent unshards them and compares with
+``sparse_attention`` (the reference path: dense-masked attention, float64) on the whole sequence. Patterns: random
+verticals (with padding and duplicates), the local diagonal, near slashes and an isolated far slash; per query head (G =
+H) and per KV group (G = Hkv); GQA 6 query heads on 2 KV heads; batch 2; tile T = 16; lengths 3 x the layout's unit; all
+three layouts; flat rings W in 1, 2, 3, 4, 8 and hierarchical rings 2x2, 2x4, 4x2.
 
 Tolerances: float64 inputs differ from the reference only in summation order (ring merge vs one softmax), ~1e-15
 relative; 1e-12 leaves room and catches any wrong pair (an extra or missing pair changes outputs by ~1e-2). float32
@@ -19,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.dist import hierarchical_groups, run_distributed
 from helpers.ops import CountingOp
-
 from lightning_mtraining import ring_attention, shard_sequence, unshard_sequence
 from lightning_mtraining.core.layouts import LAYOUTS, layout_unit
 from lightning_mtraining.ring.block_ops import TorchBlockOp
@@ -212,7 +213,7 @@ def worker_counts(rank, w):
 def test_exact_counts_of_p2p_collectives_and_skipped_steps():
     w = 3
     per_rank = run_distributed(worker_counts, w)
-    for rank, res in enumerate(per_rank):
+    for res in per_rank:
         fwd, bwd, calls = res["given"]
         # forward: W - 1 K/V transfers; backward: W - 1 K/V transfers and W dK/dV transfers; no collective
         assert fwd == {"batch_isend_irecv": w - 1}, fwd

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import (
     elastic_env,
@@ -132,9 +133,9 @@ def test_registered_names_and_default_callback():
 
 
 def fabric_sparse(world_size: int) -> dict[str, Any]:
-    from helpers.models import make_model
     from lightning.fabric import Fabric
 
+    from helpers.models import make_model
     from lightning_mtraining import MTrainingFabricStrategy, SparseAttentionCallback, SparsityConfig
 
     quiet()
@@ -198,7 +199,7 @@ class _Collect(__import__("logging").Handler):
 def test_a_sparse_run_at_a_dense_runs_cost_says_so_once():
     """``strategy="mtraining"`` (the paper's top-p 0.9) on 256 tokens keeps every pair of this model (random
     weights, 128-token tiles): the run logs once, on rank 0, the density, the length and what to do instead (measured
-    on each of its 3 steps, said once). A fixed budget that keeps a small share says nothing."""
+    on each of its 3 steps, said once, wrapped to 116 columns). A fixed budget that keeps a small share says nothing."""
     import logging
 
     from lightning_mtraining import MTrainingStrategy, SparsityConfig
@@ -223,7 +224,8 @@ def test_a_sparse_run_at_a_dense_runs_cost_says_so_once():
         logger.removeHandler(collect)
         logger.setLevel(level)
     assert len(notes) == 1, notes
-    note = notes[0]
+    assert max(len(line) for line in notes[0].splitlines()) <= 116, notes[0]  # wrapped, not one long line
+    note = " ".join(notes[0].split())
     assert "kept 100% of the causal pairs at 256 tokens (top_p=0.9, at most 4096 verticals" in note, note
     assert "strategy='mtraining_dense' (sparsity=None)" in note and "SparsityConfig(vertical_topk=V" in note, note
     density = strategy.attention_metrics()["attention/density"]

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.models import make_model
 from helpers.training import (
@@ -75,7 +76,7 @@ def test_sizes_must_fit_world():
                                  parallel_devices=[torch.device("cpu")] * 3)
     strategy.cluster_environment.set_world_size(6)
     with pytest.raises(ValueError, match="context_parallel_size=4 does not divide the world size 6"):
-        strategy.distributed_sampler_kwargs
+        _ = strategy.distributed_sampler_kwargs
     strategy = MTrainingStrategy(context_parallel_size=3, cluster_environment=LightningEnvironment(),
                                  parallel_devices=[torch.device("cpu")] * 3)
     strategy.cluster_environment.set_world_size(6)
@@ -139,8 +140,8 @@ def test_bad_batch_and_model_errors():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(sparsity=None), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="contains no transformers PreTrainedModel"):
         trainer.fit(NoHF(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
 
@@ -214,17 +215,18 @@ def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[i
     return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
 
 
-def test_a_shuffled_loader_gives_one_devices_losses_as_the_readme_says():
-    """The README's recipe for comparing with one device: data-parallel size 1, ``use_distributed_sampler=False``
-    and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device run's samples in its order
-    and see its losses (2e-5, see the module docstring). Lightning's default injects a DistributedSampler with its
-    own shuffle, so the default run reads another order: the recipe is needed, not decoration."""
+def test_a_shuffled_loader_gives_one_devices_losses_as_the_docs_say():
+    """The recipe ``docs/guarantees.md`` gives for comparing with one device: data-parallel size 1,
+    ``use_distributed_sampler=False`` and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device
+    run's samples in its order and see its losses (2e-5, see the module docstring). Lightning's default injects a
+    DistributedSampler with its own shuffle, so the default run reads another order: the recipe is needed, not
+    decoration."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    promise = next(line for line in readme.splitlines() if "gives one device's losses and parameters" in line)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "guarantees.md").read_text()
+    promise = next(line for line in docs.splitlines() if "gives one device's losses and parameters" in line)
     for recipe_part in ("data-parallel size 1", "use_distributed_sampler=False", "generator=torch.Generator()"):
-        assert recipe_part in promise, recipe_part  # the README's promise says how to see it: this recipe
+        assert recipe_part in promise, recipe_part  # the guarantee says how to see it: this recipe
 
     one_device = _shuffled_fit(0, 1, True)
     for rank, runs in enumerate(run_distributed(_shuffled_worker, 2, timeout=300)):
@@ -312,9 +314,9 @@ def test_attention_callback_per_layer_options_with_configure_model():
     assert [layer.self_attn._mtraining_ring.sparsity for layer in model.model.layers] == [None, budgets]
 
     def trainer(cb):
-        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None), max_steps=1,
-                         callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, log_every_n_steps=1)
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MTrainingStrategy(block_size=16, sparsity=None),
+                         max_steps=1, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
 
     loader = torch.utils.data.DataLoader(make_samples(2, 40), batch_size=2)
     t = trainer(callback)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import check_against_reference
 
@@ -85,7 +86,9 @@ def _run(sizes: dict, *, sparse: bool = False, steps: int = STEPS, ckpt: str | N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from lightning_mtraining import MeshAxes, apply_context_parallel, apply_fsdp, build_mesh
+    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining.distributed import MeshAxes, build_mesh
+    from lightning_mtraining.hf import apply_fsdp
 
     mesh = build_mesh("cpu", **sizes)
     axes = MeshAxes.of(mesh)
@@ -247,11 +250,11 @@ def test_fsdp_strategy_sizes():
     assert (s.cp_size, s.dp_size, s.cp_rank, s.dp_rank) == (2, 2, 0, 1)
     with pytest.raises(ValueError, match=r"dp_replicate 1 x dp_shard 1 x cp 3 x tp 2 = 6 ranks, but the world has 8|"
                                          r"not divisible by dp_replicate 1 x cp 3 x tp 2"):
-        strategy(8, 0, tensor_parallel_size=2, context_parallel_size=3).cp_size
+        _ = strategy(8, 0, tensor_parallel_size=2, context_parallel_size=3).cp_size
     with pytest.raises(ValueError, match="world of 6 ranks is not divisible by data_parallel_replicate_size 1 x "
                                          "tensor_parallel_size 4"):
-        strategy(6, 0, tensor_parallel_size=4).cp_size
+        _ = strategy(6, 0, tensor_parallel_size=4).cp_size
     with pytest.raises(ValueError, match="hierarchical rings are not built"):
-        strategy(8, 0, tensor_parallel_size=2, inner_ring_size=2).inner_ring_size
+        _ = strategy(8, 0, tensor_parallel_size=2, inner_ring_size=2).inner_ring_size
     with pytest.raises(ValueError, match=r"tensor_parallel_size=\.\.\.\) must be a positive int, got 0"):
         MTrainingFSDPStrategy(tensor_parallel_size=0)

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.training import (
     VOCAB,
@@ -83,8 +84,8 @@ def _trainer(world_size: int, **strategy_kwargs: Any):
     from lightning_mtraining import MTrainingStrategy
 
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}), max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(**{"sparsity": None, **strategy_kwargs}),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
 
 
@@ -255,7 +256,8 @@ def test_sizes_and_sparse_settings_fail_at_construction():
         with pytest.raises(ValueError, match="block_size=64 is not a multiple of it") as info:
             build()
         assert len(str(info.value)) < 500 and info.value.__suppress_context__
-    with pytest.raises(TypeError, match=r"sparsity=...\) must be a SparsityConfig or None"):
+    with pytest.raises(TypeError,
+                       match=r"sparsity=...\) must be a SparsityConfig, a spec string such as .paper., or None"):
         MTrainingStrategy(sparsity={"top_p": 0.9})
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.dist import run_distributed
 from helpers.models import VOCAB
 from helpers.models import make_model as tiny_model

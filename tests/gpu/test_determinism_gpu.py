@@ -4,10 +4,10 @@ with the default fused loss. Skipped without a GPU.
 
 Why it holds: the sparse kernels' backward has no floating-point atomics (one writer per dq / dk / dv element, the
 column partials summed in a fixed order: ``mtraining_kernels.vertical_slash``), the estimator's sums are in a fixed
-order and its few atomic adds see at most two non-zero terms (``lightning_mtraining.sparsity.estimation``), and selection is
-by packed unique keys. What else a step runs (cuBLAS matmuls, SDPA, the fused loss) runs under
-``torch.use_deterministic_algorithms(True)`` here, the mode a user sets with ``Trainer(deterministic=True)``; its
-cost for a training step is measured by ``benchmarks/train_throughput.py --deterministic``.
+order and its few atomic adds see at most two non-zero terms (``lightning_mtraining.sparsity.estimation``), and
+selection is by packed unique keys. What else a step runs (cuBLAS matmuls, SDPA, the fused loss) runs under
+``torch.use_deterministic_algorithms(True)`` here, the mode a user sets with ``Trainer(deterministic=True)``; its cost
+for a training step is measured by ``benchmarks/train_throughput.py --deterministic``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ FlexAttention's own autograd; here it must agree with the float64 reference like
 
 import pytest
 import torch
-from helpers.references import dense_reference
 
+from helpers.references import dense_reference
 from lightning_mtraining.core.layouts import shard_sequence, unshard_sequence
 from lightning_mtraining.ring.block_ops import FlexBlockOp, TorchBlockOp
 from lightning_mtraining.ring.simulated import SimulatedRing
@@ -15,7 +15,8 @@ from lightning_mtraining.ring.simulated import SimulatedRing
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("layout, w, n", [("striped", 4, 4 * 128 * 3), ("zigzag", 3, 6 * 100), ("contiguous", 3, 3 * 200)])
+@pytest.mark.parametrize("layout, w, n",
+                         [("striped", 4, 4 * 128 * 3), ("zigzag", 3, 6 * 100), ("contiguous", 3, 3 * 200)])
 def test_flex_ring_matches_reference_fp32(layout, w, n):
     torch._dynamo.config.cache_size_limit = 256
     g = torch.Generator(device="cuda").manual_seed(n)

@@ -25,8 +25,8 @@ import warnings
 
 import pytest
 import torch
-from helpers.pattern_ref import pattern_lists, reference_scores
 
+from helpers.pattern_ref import pattern_lists, reference_scores
 from lightning_mtraining.core.layouts import global_positions, shard_sequence, unshard_sequence
 from lightning_mtraining.ring.simulated import SimulatedRing
 from lightning_mtraining.sparsity.config import SparsityConfig

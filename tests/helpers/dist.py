@@ -14,7 +14,8 @@ import os
 import queue as queue_lib
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ def _worker(fn, rank, world_size, port, timeout, queue, args, kwargs):
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180, **kwargs: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180,
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -1,7 +1,6 @@
-"""The processes of a launcher test (``tests/distributed/test_launchers.py``): each trains a tiny Qwen2 for one step with
-``MTrainingStrategy()`` under the launcher environment it was started with, and writes what the strategy built
-(world, node, cluster environment, mesh, CP group, inner and outer rings, the logged mesh line) to
-``OUT/rank{R}.json``.
+"""The processes of a launcher test (``tests/distributed/test_launchers.py``): each trains a tiny Qwen2 for one step
+with ``MTrainingStrategy()`` under the launcher environment it was started with, and writes what the strategy built
+(world, node, cluster environment, mesh, CP group, inner and outer rings, the logged mesh line) to ``OUT/rank{R}.json``.
 
     python tests/helpers/launch_worker.py OUT DEVICES NUM_NODES ENVS_JSON    # start one process per environment
     python tests/helpers/launch_worker.py OUT DEVICES NUM_NODES              # be one process (the environment as it is)

@@ -1,5 +1,7 @@
-"""Float64 single-device implementation of the estimator's contract (issue text, ``estimation`` docstring),
-written independently of :mod:`lightning_mtraining.sparsity.estimation` with plain loops, for tests to compare against."""
+"""Float64 single-device implementation of the estimator's contract (the ``sparsity.estimation`` module docstring:
+the last queries scored against every key, per-column and per-diagonal sums, top-k or top-p with caps, sinks and the
+local window always kept), written independently of :mod:`lightning_mtraining.sparsity.estimation` with plain loops, for
+tests to compare against."""
 
 from __future__ import annotations
 

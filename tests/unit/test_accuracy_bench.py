@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from helpers.scripts import load_script
 
 

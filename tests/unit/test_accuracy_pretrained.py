@@ -10,6 +10,7 @@ import json
 import math
 
 import pytest
+
 from helpers.real_model import needs_real_model, smollm2_folder
 from helpers.scripts import load_script
 

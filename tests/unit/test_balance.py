@@ -169,7 +169,9 @@ def test_errors_name_values_and_fix():
     p = random_pattern(1, 1, 512, T, 4, 3)
     with pytest.raises(ValueError, match=r"block_size=24 .* tile_size=16"):
         ring_work(p, 24 * 4, 4, "striped", 24)
-    with pytest.raises(ValueError, match=r"contiguous layout: each rank's 24 tokens .* pad seq_len to a multiple of cp_size \* 16 = 64"):
+    with pytest.raises(ValueError,
+                       match=r"contiguous layout: each rank's 24 tokens .* pad seq_len to a multiple of "
+                             r"cp_size \* 16 = 64"):
         ring_work(p, 96, 4, "contiguous")
     with pytest.raises(ValueError, match=r"zigzag layout: each chunk's 8 tokens .* multiple of 2 \* cp_size"):
         ring_work(p, 64, 4, "zigzag")
@@ -201,4 +203,5 @@ def test_moderately_large_pattern_runs():
         work = ring_work(p, N, W, layout)
         assert int(work.sum()) == total
         stats[layout] = imbalance(ring_step_work(p, N, W, layout))
-    assert stats["striped"]["critical_path"] < min(stats["zigzag"]["critical_path"], stats["contiguous"]["critical_path"])
+    others = min(stats["zigzag"]["critical_path"], stats["contiguous"]["critical_path"])
+    assert stats["striped"]["critical_path"] < others

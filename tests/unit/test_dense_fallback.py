@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from helpers.models import VOCAB, make_model
 
 SEQ = 512

@@ -20,8 +20,8 @@ import time
 
 import pytest
 import torch
-from helpers.models import make_model
 
+from helpers.models import make_model
 from lightning_mtraining.core.errors import FULL_TRACEBACK_ENV, SameOnRanks, format_failure, mark_same_on_ranks
 
 
@@ -208,3 +208,86 @@ def test_at_exit_children_are_ended_only_after_an_uncaught_failure(monkeypatch):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# Note [The first failure speaks last]: the store protocol with in-process stores, the report's lines, and a process
+# that is told (it prints one line, then nothing). The 2-rank Trainer run:
+# tests/distributed/test_failures_across_ranks.py.
+
+def _store():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from helpers.dist import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    return server, lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+
+
+def test_exactly_one_rank_records_the_first_failure_and_the_others_learn_it():
+    from lightning_mtraining.core.errors import FailureWatch, FirstFailure
+
+    server, client = _store()
+    ranks = [FailureWatch(client(), rank, 3) for rank in range(3)]
+    assert ranks[0].first() is None
+    first = ranks[2].claim(_raised("rank 2 fails"), step=2, stage="fit")
+    assert first == FirstFailure(2, 2, "fit", "ValueError: rank 2 fails")
+    assert ranks[1].claim(_raised("connection closed"), step=2) == first  # a consequence: the record stands
+    assert ranks[2].claim(_raised("again")) == first and ranks[0].first() == first
+    assert not ranks[2].wait_for_the_others(timeout=0.2)  # nobody has said their line yet
+    for rank in (0, 1):
+        ranks[rank].store.add("lightning_mtraining/first_failure/told", 1)  # what tell() does last
+    assert ranks[2].wait_for_the_others(timeout=0.2)
+    assert first.where() == " at step 2" and FirstFailure(0, 5, "validate", "x").where() == " at step 5 (validate)"
+
+
+def test_the_first_failures_report_is_short_names_the_users_frame_its_rank_and_step():
+    from lightning_mtraining.core.errors import FULL_TRACEBACK_ENV, FirstFailure, format_first_failure
+
+    def training_step():
+        raise RuntimeError("rank 1 fails at step 2\nsecond line")
+
+    try:
+        training_step()
+    except RuntimeError as e:
+        exc = e
+    text = format_first_failure(exc, FirstFailure(1, 2, "fit", "RuntimeError: rank 1 fails at step 2"), 2)
+    lines = text.splitlines()
+    assert all(line.startswith("[rank1]: ") for line in lines) and len(lines) < 30
+    assert any("test_failures.py" in line and "in training_step" in line for line in lines), text
+    assert lines[-3:-1] == ["[rank1]: RuntimeError: rank 1 fails at step 2", "[rank1]: second line"], text
+    assert lines[-1].startswith("[rank1]: rank 1 failed first at step 2; the other ranks stopped with one line each")
+    assert f"{FULL_TRACEBACK_ENV}=1" in lines[-1]
+    alone = format_first_failure(exc, FirstFailure(1, 2, "fit", "x"), 2, told=False).splitlines()[-1]
+    assert "not every other rank answered (ended already, or stuck)" in alone
+    deep = _raised("x" * 50 + "\n" * 40)  # a long message is cut
+    assert len(format_first_failure(deep, FirstFailure(0, None, None, "x"), 2).splitlines()) < 30
+
+
+_TOLD = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from lightning_mtraining.core.errors import FailureWatch, FirstFailure
+
+watch = FailureWatch(dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5)), 0, 2)
+watch.start()  # its thread finds the record and tells
+watch._thread.join(timeout=30)
+print("printed after being told", flush=True)
+sys.stderr.write("a consequence\\n")
+"""
+
+
+def test_a_told_rank_prints_one_line_then_nothing():
+    import json
+
+    server, client = _store()
+    server.set("lightning_mtraining/first_failure", json.dumps(
+        {"rank": 1, "step": 2, "stage": "fit", "summary": "RuntimeError: rank 1 fails at step 2"}))
+    run = subprocess.run([sys.executable, "-c", _TOLD, str(server.port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "" and run.stderr == (
+        "[rank0]: ending: rank 1 failed first at step 2 (RuntimeError: rank 1 fails at step 2)\n"), run
+    assert server.add("lightning_mtraining/first_failure/told", 0) == 1  # it acknowledged

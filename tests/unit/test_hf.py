@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.models import make_model
 from helpers.training import make_samples
-
 from lightning_mtraining.distributed.plan import ContextParallelPlan
 from lightning_mtraining.distributed.sharding import shard_batch
 from lightning_mtraining.hf.attention import ATTENTION_NAME, RingAttentionConfig, ring_attention_forward
@@ -130,7 +130,8 @@ def test_unsupported_models_fail_at_setup_naming_model_and_feature():
 
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
-    # sliding windows and soft-capping are computed (tests/distributed/test_variant_models.py); other layer types are named
+    # sliding windows and soft-capping are computed (tests/distributed/test_variant_models.py); other layer types are
+    # named
     validate_model(MistralForCausalLM(MistralConfig(**tiny)))
     validate_model(Gemma2ForCausalLM(Gemma2Config(**tiny)))
     with pytest.raises(ValueError, match=r"Gemma2ForCausalLM .* layer types \['chunked_attention'\] are in use"):

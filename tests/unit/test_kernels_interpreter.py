@@ -19,6 +19,7 @@ import os
 import sys
 
 import pytest
+
 from helpers.interpreter import run_interpreter_checks
 
 pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: minutes on 2 cores
@@ -60,6 +61,7 @@ def _run_checks() -> dict[str, str]:
     import traceback
 
     import torch
+
     from helpers.interpreter import shim_interpreter
 
     shim_interpreter()

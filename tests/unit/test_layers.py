@@ -176,3 +176,24 @@ def test_importing_the_package_registers_the_strategy_names_whenever_lightning_i
         assert out.returncode == 0, (case, out.stderr[-3000:])
         want = "['mtraining', 'mtraining_dense']" if case == "fabric" else trainer
         assert out.stdout.strip().splitlines()[-1] == want, (case, out.stdout)
+
+
+def test_names_exported_before_the_split_still_resolve_with_a_deprecation_warning():
+    """The top level is the small API; the names it exported before the layers keep working from it, each with a
+    ``DeprecationWarning`` naming its layer's namespace, where it is the same object. The small API warns nothing."""
+    import warnings
+
+    import lightning_mtraining as lm
+
+    for name, module in lm._DEPRECATED.items():
+        layer = ".".join(module.split(".")[:2])
+        want = rf"^lightning_mtraining\.{name} is deprecated: use {layer}\.{name}$"
+        with pytest.warns(DeprecationWarning, match=want):
+            value = getattr(lm, name)
+        assert value is getattr(__import__(layer, fromlist=[name]), name)
+        assert name not in dir(lm) and name not in lm.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in lm.__all__:
+            getattr(lm, name)
+        assert lm.causal_lm_targets is lm.hf.causal_lm_targets

@@ -42,7 +42,8 @@ def test_negative_dim_and_multi_dim():
     s = shard_sequence(x, -2, 1, 3, "striped", 4)
     assert s.shape == (2, 3, 8, 4)
     assert torch.equal(s, x[:, :, global_positions(24, 1, 3, "striped", 4)])
-    assert torch.equal(unshard_sequence([shard_sequence(x, -2, r, 3, "striped", 4) for r in range(3)], -2, "striped", 4), x)
+    shards = [shard_sequence(x, -2, r, 3, "striped", 4) for r in range(3)]
+    assert torch.equal(unshard_sequence(shards, -2, "striped", 4), x)
 
 
 def test_units():
@@ -53,7 +54,8 @@ def test_units():
 
 @pytest.mark.parametrize(
     "layout, n, match",
-    [("striped", 100, r"100 .*unit 384 .*pad the sequence to 384"), ("zigzag", 7, r"7 .*unit 6 .*pad the sequence to 12"),
+    [("striped", 100, r"100 .*unit 384 .*pad the sequence to 384"),
+     ("zigzag", 7, r"7 .*unit 6 .*pad the sequence to 12"),
      ("contiguous", 4, r"4 .*unit 3")],
 )
 def test_bad_length_is_a_clear_error(layout, n, match):

@@ -1,5 +1,5 @@
-"""Locally generated long-context tasks (``lightning_mtraining.data.long_tasks``): exact lengths, needles at their stated
-depth holding the answer, reproducible by seed, and the scorer's two methods agreeing."""
+"""Locally generated long-context tasks (``lightning_mtraining.data.long_tasks``): exact lengths, needles at their
+stated depth holding the answer, reproducible by seed, and the scorer's two methods agreeing."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import gc
 
 import pytest
 import torch
+
 from helpers.models import make_model
 from helpers.training import make_samples
-
 from lightning_mtraining import causal_lm_loss, causal_lm_targets
 from lightning_mtraining.distributed.sharding import shard_batch
 from lightning_mtraining.hf.losses import is_marked_loss, mark_loss

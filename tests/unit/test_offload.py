@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.models import VOCAB, make_model
 
 SEQ = 24

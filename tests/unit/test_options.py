@@ -1,5 +1,5 @@
-"""One description of the strategies' shared options (lightning_mtraining.strategies.options): every strategy accepts every
-field it should, with the field's default and annotation, validates through it, and documents it."""
+"""One description of the strategies' shared options (lightning_mtraining.strategies.options): every strategy accepts
+every field it should, with the field's default and annotation, validates through it, and documents it."""
 
 import dataclasses
 import inspect
@@ -57,7 +57,8 @@ def test_every_field_is_documented():
     ({"nonfinite_check": 1}, ValueError, "nonfinite_check=...) must be one of"),
     ({"fused_loss": "cuda"}, TypeError, "fused_loss=...) must be True, False or a backend name"),
     ({"activation_checkpointing": 1}, TypeError, "activation_checkpointing=...) must be True or False, got 1"),
-    ({"sparsity": {"vertical_topk": 8}}, TypeError, "sparsity=...) must be a SparsityConfig or None, got dict"),
+    ({"sparsity": {"vertical_topk": 8}}, TypeError,
+     "sparsity=...) must be a SparsityConfig, a spec string such as 'paper', or None, got dict"),
     ({"compile": "max-autotune"}, TypeError, "compile=...) must be True, False or a dict of torch.compile keyword"),
 ])
 def test_bad_options_name_the_strategy_the_option_and_the_value(cls, kwargs, error, words):
@@ -92,3 +93,17 @@ def test_a_default_that_cannot_tile_the_layout_says_it_is_the_default():
         MTrainingStrategy(block_size=64)
     assert "SparsityConfig(tile_size=...)" in str(info.value) and "sparsity=None" in str(info.value)
     assert MTrainingStrategy(block_size=64, sparsity=None).sparsity is None
+
+
+@pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
+def test_sparsity_as_the_short_strings_examples_train_takes(cls):
+    """``sparsity="paper"`` (also ``"none"``, ``"topp:P"``, ``"topk:V,S"``): the config the string names, as
+    ``examples/train.py --sparsity`` reads it, stored as that config; a bad string names the strategy and the forms."""
+    from lightning_mtraining.sparsity.config import PAPER_SPARSITY
+
+    assert cls(sparsity="paper").sparsity == PAPER_SPARSITY
+    assert cls(sparsity="none").sparsity is None
+    assert cls(sparsity="topp:0.95").sparsity == SparsityConfig(top_p=0.95)
+    assert cls(sparsity="topk:64,16", block_size=128).sparsity == SparsityConfig(vertical_topk=64, slash_topk=16)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\(sparsity=\.\.\.\): a sparsity spec is 'none', 'paper'"):
+        cls(sparsity="dense")

@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 import torch
+
 from helpers.models import VOCAB, make_model
 
 pytest.importorskip("litdata")  # the benchmark module imports lightning_mtraining.data.corpus

@@ -1,4 +1,5 @@
-"""Sparse prefill for ``generate`` (``lightning_mtraining.hf.prefill``) on tiny Qwen2 / Llama models built from a config.
+"""Sparse prefill for ``generate`` (``lightning_mtraining.hf.prefill``) on tiny Qwen2 / Llama models built from a
+config.
 
 Reference: the same model with ``attn_implementation="sdpa"``, in float64. With a pattern that covers every causal
 pair the sparse path computes the same softmax over the same keys as SDPA, only in another order of operations

