@@ -236,9 +236,9 @@ def windows(docs: list[torch.Tensor], seq_len: int, seed: int, eos: int = EOS):
 
 def training_batches(args, train_docs, tokens: Tokens):
     """The same sequence of windows for every variant: corpus windows, a share of them led by a generated task."""
-    from lightning_mtraining.data.long_tasks import HAYSTACKS, KINDS, make_task
-
     import random
+
+    from lightning_mtraining.data.long_tasks import HAYSTACKS, KINDS, make_task
 
     rng = random.Random(args.seed)
     corpus = windows(train_docs, args.seq_len, args.seed, tokens.eos)
@@ -331,7 +331,7 @@ def heldout_loss(model, cp, held_windows, device) -> float:
 
 
 def run_variant(args, variant: str, device, save=None) -> dict:
-    from lightning_mtraining import apply_context_parallel, register_sparse_prefill, SparsityConfig
+    from lightning_mtraining import SparsityConfig, apply_context_parallel, register_sparse_prefill
     from lightning_mtraining.data.long_tasks import make_tasks, score_tasks, summarize
 
     if variant not in TRAINED and args.pretrained is None:

@@ -14,12 +14,12 @@ import torch
 import triton
 
 from mtraining_kernels.gluon_common import (
+    _LIST_ARGS,
     HAS_GLUON,
     LOG2E,
     POS_MAX,
     POS_MIN,
     ROWS,
-    _LIST_ARGS,
     _bstrides,
     _desc,
     _key_side_args,

@@ -204,7 +204,7 @@ def gluon_supported(q: torch.Tensor, tiles: TileLists | None = None) -> bool:
     return tiles is None or (tiles.block_m == 128 and tiles.block_n == 128)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_layout(rows: int, D: int, bf16: bool):
     # the same few layouts on every launch: building one costs ~7 us of host time (measured on CPU), per descriptor
     return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if bf16 else gl.float16)

@@ -40,10 +40,10 @@ import torch
 import triton
 
 from mtraining_kernels.gluon_common import (
+    _LIST_ARGS,
     HAS_GLUON,
     LOG2E,
     ROWS,
-    _LIST_ARGS,
     _bstrides,
     _desc,
     _key_side_args,

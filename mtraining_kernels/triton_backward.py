@@ -31,13 +31,13 @@ from mtraining_kernels.config import KernelConfig
 from mtraining_kernels.indexing import COL_CHUNK, TileLists
 from mtraining_kernels.launch import Launcher
 from mtraining_kernels.triton_common import (
+    _LIST_ARGS,
     CHUNK,
     COL_WORDS,
     LOG2E,
     LOG2E_C,
     POS_MAX,
     POS_MIN,
-    _LIST_ARGS,
     _bstrides,
     _cap2,
     _col_args,

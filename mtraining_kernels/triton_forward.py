@@ -25,12 +25,12 @@ from mtraining_kernels.config import KernelConfig
 from mtraining_kernels.indexing import TileLists
 from mtraining_kernels.launch import Launcher
 from mtraining_kernels.triton_common import (
+    _LIST_ARGS,
     CHUNK,
     COL_WORDS,
     LN2,
     LOG2E,
     POS_MIN,
-    _LIST_ARGS,
     _cap2,
     _col_args,
     _col_chunk_end,

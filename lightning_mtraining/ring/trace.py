@@ -43,7 +43,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -53,7 +53,7 @@ diagonal blocks of the layout).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

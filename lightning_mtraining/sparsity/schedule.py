@@ -19,7 +19,8 @@ ring saves its per-step lists for it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

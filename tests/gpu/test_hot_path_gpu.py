@@ -4,9 +4,9 @@ exactly at ``dense_above`` (the forward under a bf16 default dtype, the recomput
 
 import pytest
 import torch
+
 from helpers.dense_decision import checkpointed_step_at_threshold
 from helpers.references import dense_reference
-
 from lightning_mtraining.core.layouts import shard_sequence, unshard_sequence
 from lightning_mtraining.ring.block_ops import FlexBlockOp
 from lightning_mtraining.ring.fused_dense import FusedDenseOp

@@ -20,11 +20,18 @@ import functools
 
 import pytest
 import torch
-from helpers.patterns import varying_patterns
 
+from helpers.patterns import varying_patterns
 from lightning_mtraining.core.layouts import global_positions
-from mtraining_kernels import gluon_backward, gluon_common, gluon_forward, list_builder, probe_scores
-from mtraining_kernels import triton_backward, triton_forward
+from mtraining_kernels import (
+    gluon_backward,
+    gluon_common,
+    gluon_forward,
+    list_builder,
+    probe_scores,
+    triton_backward,
+    triton_forward,
+)
 from mtraining_kernels.indexing import (
     pattern_tile_lists,
     prepare_pattern_tiles,

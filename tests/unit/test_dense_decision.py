@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import pytest
 import torch
-from helpers.dense_decision import checkpointed_step_at_threshold
 
+from helpers.dense_decision import checkpointed_step_at_threshold
 from lightning_mtraining.sparsity.pattern import LayerPattern, VerticalSlashPattern, dense_heads, head_pairs
 
 N = 131072

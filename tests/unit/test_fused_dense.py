@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import VOCAB, make_model
 
+from helpers.models import VOCAB, make_model
 from lightning_mtraining.ring.block_ops import TorchBlockOp, default_block_op
 from lightning_mtraining.ring.fused_dense import FusedDenseOp
 

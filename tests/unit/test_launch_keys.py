@@ -30,6 +30,7 @@ import os
 import sys
 
 import pytest
+
 from helpers.interpreter import run_interpreter_checks
 
 pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: about a minute on 2 cores
@@ -69,6 +70,7 @@ def _run_checks() -> dict[str, str]:
     shim_interpreter()
     import torch
 
+    from helpers.patterns import varying_patterns as patterns
     from lightning_mtraining.core.layouts import global_positions
     from mtraining_kernels.indexing import (
         pattern_tile_lists,
@@ -77,7 +79,6 @@ def _run_checks() -> dict[str, str]:
         step_tile_lists,
         step_tile_lists_batched,
     )
-    from helpers.patterns import varying_patterns as patterns
     from mtraining_kernels.launch import record_launch_keys
     from mtraining_kernels.vertical_slash import vertical_slash_attention
 
