@@ -128,8 +128,13 @@ def ring_attention(
         )
     est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
     if isinstance(sparsity, LayerPattern):  # decided once by the caller, for this forward and its recompute
-        if sparsity.seq_len != n:
-            raise ValueError(f"the LayerPattern was decided for {sparsity.seq_len} tokens, the inputs hold {n}")
+        est = sparsity.estimated
+        if sparsity.seq_len != n or est.batch_size != q.shape[0] or est.num_heads not in (q.shape[1], k.shape[1]):
+            raise ValueError(
+                f"the LayerPattern was decided for {sparsity.seq_len} tokens, batch {est.batch_size} and "
+                f"{est.num_heads} pattern heads; the inputs hold {n} tokens, batch {q.shape[0]}, H={q.shape[1]}, "
+                f"H_kv={k.shape[1]}: decide it for these inputs (LayerPattern.decide)"
+            )
         check_sparse_layout(n, topo.cp_size, layout, block_size, sparsity.tile_size)
         layer = sparsity
     else:
