@@ -14,6 +14,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -35,11 +36,18 @@ TORCH_ONLY = 5  # up to hf: no Lightning
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
+# what pyproject.toml installs: the import packages, and the folder of each top-level one (the kernels live in
+# kernels/ and are imported as mtraining_kernels)
+SETUPTOOLS = tomllib.loads(ROOT.joinpath("pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGE_DIRS = {"lightning_mtraining": "lightning_mtraining", **SETUPTOOLS["package-dir"]}
+
+
 def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    package = next(p for p, d in PACKAGE_DIRS.items() if d == folder)
+    if parts and parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join([package, *parts])
 
 
 def _layer(module: str) -> int:
@@ -48,7 +56,7 @@ def _layer(module: str) -> int:
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    files = [*ROOT.joinpath("lightning_mtraining").rglob("*.py"), *ROOT.joinpath("mtraining_kernels").rglob("*.py")]
+    files = [p for d in PACKAGE_DIRS.values() for p in ROOT.joinpath(d).rglob("*.py")]
     return {_module_name(p): p for p in files}
 
 
@@ -87,6 +95,15 @@ def _graph():
                 if dep != module:
                     edges[module].add(dep)
     return modules, edges, records
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages (discovery would install kernels/ as ``kernels``): every folder of the two
+    import packages that has an ``__init__.py`` is listed, and nothing else."""
+    found = {_module_name(p.parent / "__init__.py") for d in PACKAGE_DIRS.values()
+             for p in ROOT.joinpath(d).rglob("__init__.py")}
+    assert found == set(SETUPTOOLS["packages"]), (sorted(found - set(SETUPTOOLS["packages"])),
+                                                   sorted(set(SETUPTOOLS["packages"]) - found))
 
 
 def test_imports_point_down_the_layers():
