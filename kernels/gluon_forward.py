@@ -40,16 +40,15 @@ import torch
 import triton
 
 from mtraining_kernels.gluon_common import (
-    _LIST_ARGS,
     HAS_GLUON,
-    LOG2E,
+    LIST_ARGS,
     ROWS,
-    _bstrides,
-    _desc,
-    _key_side_args,
-    _launch_persistent,
-    _snake,
+    key_side_args,
+    launch_persistent,
+    snake_order,
+    tma_descriptor,
 )
+from mtraining_kernels.host import LOG2E, batch_strides
 from mtraining_kernels.indexing import TileLists, dense_tile_lists
 from mtraining_kernels.launch import Launcher
 
@@ -187,7 +186,7 @@ if HAS_GLUON:
             t += 1
             cnt, nmask, ncs, q_pos = cnt_n, nmask_n, ncs_n, q_pos_n
 
-    @gluon.jit(do_not_specialize=_LIST_ARGS)
+    @gluon.jit(do_not_specialize=LIST_ARGS)
     def _gl_fwd_kernel(q_desc, k_desc, v_desc, ck_desc, cv_desc, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, NCS, CPos,
                        ColBits, qk_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
                        sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
@@ -288,13 +287,13 @@ def gluon_block_forward(
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
-    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H, cache)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = key_side_args(k, v, k_pos, tiles, H, cache)
     fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
-    qd = _desc(q, ROWS, cache, "q")
+    qd = tma_descriptor(q, ROWS, cache, "q")
     args = (qd, kd, vd, ckd, cvd, out, lse, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E, Sq, Sk, H,
-            H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *_bstrides(fi), *_bstrides(fc),
-            *_bstrides(fn), *bstr)
+            H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *batch_strides(fi), *batch_strides(fc),
+            *batch_strides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_PREV=has_prev, HAS_COLS=has_cols,
-                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=_snake(item_order))
-    kernel = _launch_persistent(_LAUNCH_FWD, q, total, programs, args, meta, warmup_only)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=snake_order(item_order))
+    kernel = launch_persistent(_LAUNCH_FWD, q, total, programs, args, meta, warmup_only)
     return kernel if warmup_only else (out, lse)

@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mtraining_kernels.host import LOG2E
 from mtraining_kernels.launch import Launcher
 
 __all__ = ["blocks_are_runs", "probe_lse", "probe_scores"]
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

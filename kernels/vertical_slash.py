@@ -40,6 +40,7 @@ import torch
 import triton
 
 from mtraining_kernels.config import DEFAULT_CONFIG, KernelConfig
+from mtraining_kernels.host import column_split, softcap_log2
 from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
 from mtraining_kernels.triton_backward import (
     add_column_grads,
@@ -48,7 +49,6 @@ from mtraining_kernels.triton_backward import (
     triton_block_dkdv_cols,
     triton_block_dq,
 )
-from mtraining_kernels.triton_common import _cap2, _col_split
 from mtraining_kernels.triton_forward import triton_block_forward
 
 __all__ = [
@@ -214,7 +214,7 @@ def block_backward(
     gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True, softcap)  # (an error for dq='gluon' here, before any launch)
     gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True, softcap)
     gluon_cols = tiles.col_idx is not None and _use_gluon(cfg.dkdv_cols, "dkdv_cols", q, tiles, True, softcap)
-    _cap2(softcap)  # (an error for a bad softcap here, before any launch)
+    softcap_log2(softcap)  # (an error for a bad softcap here, before any launch)
     delta, lse2 = bwd_preprocess(out, dout, lse)
     has_cols = tiles.col_idx is not None
     dkv = torch.empty(2, B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
@@ -239,11 +239,11 @@ def block_backward(
         if gluon_cols:
             from mtraining_kernels.gluon_backward import gluon_block_dkdv_cols
 
-            P = min(cfg.col_split or _col_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
+            P = min(cfg.col_split or column_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
             dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache,
                                          item_order=cfg.order_of("dkdv_cols"))
         else:
-            P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+            P = min(cfg.col_split or column_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
             dkvc = triton_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, cfg, P, softcap)
         dkv = add_column_grads(dkv, dkvc, tiles.col_idx, gdt)
     if dkv.dtype != gdt:  # (lists with an empty column list)
