@@ -201,8 +201,8 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     from mtraining_kernels import list_builder as lb
     from mtraining_kernels import triton_backward as tb
     from mtraining_kernels import triton_forward as tf
-    from mtraining_kernels.gluon_tooling import wgmma_serialization_note
     from mtraining_kernels.host import default_num_warps
+    from mtraining_kernels.testing.gluon import wgmma_serialization_note
     from mtraining_kernels.vertical_slash import DEFAULT_CONFIG
 
     cfg = config or DEFAULT_CONFIG

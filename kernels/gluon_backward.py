@@ -5,7 +5,7 @@ warpgroups of 64 rows each), and their launchers: dq (:func:`gluon_block_dq`), t
 They compute the pairs of :func:`mtraining_kernels.vertical_slash.block_backward`, which chooses them
 (``KernelConfig(dq= / dkdv= / dkdv_cols="auto" | "gluon")``) and runs the preprocess (``lse2``, ``delta``) and the
 column epilogue in Triton (:mod:`mtraining_kernels.triton_backward`). Shared pieces:
-:mod:`mtraining_kernels.gluon_common`; resources: :func:`mtraining_kernels.gluon_tooling.compile_report`.
+:mod:`mtraining_kernels.gluon_common`; resources: :func:`mtraining_kernels.testing.gluon.compile_report`.
 """
 
 from __future__ import annotations

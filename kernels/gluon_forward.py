@@ -30,8 +30,8 @@ the very end) and masked by position (such tiles are in the masked part of the l
 
 The dq and dk/dv kernels built the same way: :mod:`mtraining_kernels.gluon_backward`; what they share with this
 one: :mod:`mtraining_kernels.gluon_common`. Chosen by ``KernelConfig(forward="auto" | "gluon")``
-(:mod:`mtraining_kernels.vertical_slash`); resources: :func:`mtraining_kernels.gluon_tooling.compile_report`
-(works offline, after :func:`mtraining_kernels.gluon_tooling.install_offline_sm90_target`).
+(:mod:`mtraining_kernels.vertical_slash`); resources: :func:`mtraining_kernels.testing.gluon.compile_report`
+(works offline, after :func:`mtraining_kernels.testing.gluon.install_offline_sm90_target`).
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ from mtraining_kernels.launch import Launcher, arg_key, param_flags, record_laun
 
 _CHECK = r"""
 import json, torch
-from mtraining_kernels import gluon_tooling
+from mtraining_kernels.testing import gluon
 from mtraining_kernels.launch import param_flags, specialization_key
 from mtraining_kernels.triton_backward import _bwd_preprocess_kernel as fn
 from mtraining_kernels.triton_backward import _dkdv_cols_epilogue_kernel as epi
 
-gluon_tooling.install_offline_sm90_target()  # compile for sm_90 without a GPU (no launches)
+gluon.install_offline_sm90_target()  # compile for sm_90 without a GPU (no launches)
 buf = torch.zeros(4096, dtype=torch.bfloat16)
 f32 = torch.zeros(4096, dtype=torch.float32)
 

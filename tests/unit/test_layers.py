@@ -230,3 +230,34 @@ def test_names_exported_before_the_split_still_resolve_with_a_deprecation_warnin
         for name in lm.__all__:
             getattr(lm, name)
         assert lm.causal_lm_targets is lm.hf.causal_lm_targets
+
+
+def test_kernel_tooling_moved_to_testing_still_resolves_with_a_deprecation_warning():
+    """The tests' and benchmarks' tooling moved out of the runtime kernels into ``mtraining_kernels.testing``; the old
+    import paths keep working for code outside this repository, each with a ``DeprecationWarning`` naming the new one,
+    and give the same object. The runtime references stay and warn nothing."""
+    import importlib
+    import warnings
+
+    from mtraining_kernels import reference, testing
+
+    for name in ("check_half_precision", "HALF_PRECISION_CASES", "tile_lists_mask", "attention_chunked_ref"):
+        with pytest.warns(DeprecationWarning, match=rf"^mtraining_kernels\.reference\.{name} is deprecated: use "
+                                                    rf"mtraining_kernels\.testing\.{name}$"):
+            value = getattr(reference, name)
+        assert value is getattr(testing, name)
+    with pytest.warns(DeprecationWarning, match="check_half_precision"):
+        from mtraining_kernels.reference import check_half_precision
+    assert check_half_precision is testing.check_half_precision
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        reference.nothing  # noqa: B018
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reference.attention_ref and reference.vertical_slash_mask and reference.tile_rows_mask
+
+    pytest.importorskip("triton")
+    sys.modules.pop("mtraining_kernels.gluon_tooling", None)
+    with pytest.warns(DeprecationWarning, match=r"mtraining_kernels\.gluon_tooling is deprecated: use "
+                                                r"mtraining_kernels\.testing\.gluon"):
+        old = importlib.import_module("mtraining_kernels.gluon_tooling")
+    assert old.compile_report is importlib.import_module("mtraining_kernels.testing.gluon").compile_report
