@@ -126,7 +126,8 @@ def ring_attention_forward(
     if cfg is None:
         raise RuntimeError(
             f"{name} uses attn_implementation={ATTENTION_NAME!r} but was not prepared for it; train with "
-            "MTrainingStrategy / MTrainingFabricStrategy, or call lightning_mtraining.hf.model.prepare_model(model, plan)"
+            "MTrainingStrategy / MTrainingFabricStrategy, or call "
+            "lightning_mtraining.hf.model.prepare_model(model, plan)"
         )
     if attention_mask is not None:
         raise ValueError(
@@ -162,8 +163,8 @@ def ring_attention_forward(
 
 
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
-    # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its graph.
-    # Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
+    # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its
+    # graph. Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
     # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward
     # reuses the forward's per-step lists (the sparse op's backward rebuilds them, see ring.sparse_op)
     compiling = torch.compiler.is_compiling()

@@ -150,8 +150,8 @@ def dense_ring_attention(
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=None`` and the default block op, as one custom
-    op that ``torch.compile`` does not break (arguments as there). Differentiable in q, k and v."""
-    out, _ = _forward_op(q, k, v, doc_start, group_name(group), group_name(inner_group), group_name(outer_group), layout,
-                         block_size, scale, window, softcap)
+    """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=None`` and the default block op, as
+    one custom op that ``torch.compile`` does not break (arguments as there). Differentiable in q, k and v."""
+    out, _ = _forward_op(q, k, v, doc_start, group_name(group), group_name(inner_group), group_name(outer_group),
+                         layout, block_size, scale, window, softcap)
     return out

@@ -54,14 +54,15 @@ class SimulatedRing:
         op: per-block attention op (default as in :func:`~lightning_mtraining.ring.attention.ring_attention`).
         scale: softmax scale (default ``1/sqrt(D)``).
         time_steps: record each (rank, step) compute time in :attr:`timings` (CUDA events on GPU).
-        pattern: a global :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` for the sparse ring (None: dense);
-            each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per rank).
-        verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.attention.ring_attention`; the
-            gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed over
-            the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
+        pattern: a global :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` for the sparse ring
+            (None: dense); each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per
+            rank).
+        verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.attention.ring_attention`;
+            the gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed
+            over the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
         window, softcap: a sliding-window layer and score soft-capping, as in
-            :func:`~lightning_mtraining.ring.attention.ring_attention` (a window makes the ring dense, steps outside every
-            window skipped).
+            :func:`~lightning_mtraining.ring.attention.ring_attention` (a window makes the ring dense, steps outside
+            every window skipped).
     """
 
     def __init__(

@@ -197,12 +197,14 @@ class AttentionSchedule:
         over the mean rank's, 1.0 = balanced), ``attention/dense_heads`` (the share of pattern heads, over the sparse
         layers and batch rows, whose pattern allowed more than ``dense_above`` of the pairs and ran dense: they count
         as every causal pair in the density; a layer whose every head did ran the dense ring and has no imbalance),
-        ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
+        ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before
+        the first measurement or when no layer ran sparse."""
         stats = self._stats
         if not stats:
             return self._last
         out: dict[str, float] = {
-            "attention/density": sum(s.computed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
+            "attention/density": (sum(s.computed for s in stats.values())
+                                  / max(1, sum(s.causal for s in stats.values()))),
             "attention/imbalance": _imbalance(stats),
             "attention/dense_heads": dense_head_share(stats),
         }
