@@ -19,9 +19,11 @@
   (repeat launches skip the JIT's argument binding; ``record_launch_keys`` collects the launch keys). Arguments
   that come from a pattern are never specialised, so the number of compiled kernels does not grow with the data.
 
-Importing this package does not import triton; :mod:`.vertical_slash` does.
+Importing this package does not import triton; :mod:`.vertical_slash` does. The folder is ``kernels/`` and the import
+name ``mtraining_kernels`` (``package-dir`` in ``pyproject.toml``); the modules import each other relatively, so that
+the type checker, which reads the folder by its path, follows them.
 """
 
-from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists, expand_pattern, pattern_tile_lists
+from .indexing import COL_CHUNK, TileLists, dense_tile_lists, expand_pattern, pattern_tile_lists
 
 __all__ = ["COL_CHUNK", "TileLists", "dense_tile_lists", "expand_pattern", "pattern_tile_lists"]

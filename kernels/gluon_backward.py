@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mtraining_kernels.gluon_common import (
+from .gluon_common import (
     HAS_GLUON,
     LIST_ARGS,
     POS_MAX,
@@ -25,16 +25,16 @@ from mtraining_kernels.gluon_common import (
     snake_order,
     tma_descriptor,
 )
-from mtraining_kernels.host import LOG2E, batch_strides
-from mtraining_kernels.indexing import TileLists
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E, batch_strides
+from .indexing import TileLists
+from .launch import Launcher
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from mtraining_kernels.gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
+    from .gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
 
 __all__ = ["column_query_lists", "gluon_block_dkdv", "gluon_block_dkdv_cols", "gluon_block_dq"]
 
@@ -528,6 +528,8 @@ def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, to
     64-slot word, ascending: (lists [B', H', n_pairs, Mq] int32, valid entries first; counts [B', H', n_pairs]
     int32). A few torch ops on the bit words (about eight launches), no host sync."""
     bits = tiles.col_bits
+    if bits is None:
+        raise ValueError("column_query_lists: the lists have no gathered columns")
     J = bits.shape[-1]
     nz = bits != 0
     if 2 * n_pairs > J:
@@ -568,7 +570,8 @@ def gluon_block_dkdv_cols(
     ``_dkdv_cols_epilogue_kernel`` (deterministic: one writer per element)."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv columns", q, k, v, dout, lse2, delta, q_pos,
                                                                 k_pos, tiles)
-    if tiles.col_idx is None or tiles.col_bits.shape[-1] == 0:
+    col_bits = tiles.col_bits
+    if tiles.col_idx is None or col_bits is None or col_bits.shape[-1] == 0:
         raise ValueError("gluon dk/dv columns: the lists have no gathered columns")
     B, H, Sq, D = q.shape
     Hkv = k.shape[1]
@@ -580,7 +583,7 @@ def gluon_block_dkdv_cols(
     NCp = kc.shape[2]
     n_pairs = NCp // 128
     lists, counts = column_query_lists(tiles, n_pairs)
-    bits = tiles.col_bits if tiles.col_bits.stride(-1) == 1 else tiles.col_bits.contiguous()
+    bits = col_bits if col_bits.stride(-1) == 1 else col_bits.contiguous()
     parts = max(1, int(parts))
     dkvc = torch.empty(parts, H // Hkv, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
     total = n_pairs * B * H * parts

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.host import batch_strides
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
-from mtraining_kernels.launch import Launcher
+from .host import batch_strides
+from .indexing import COL_CHUNK, TileLists
+from .launch import Launcher
 
 try:  # Gluon is in Triton >= 3.4
     from triton.experimental import gluon
@@ -296,10 +296,11 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     torch ops, the reference the kernel is tested against. Those ops' host time would show in short calls, hence
     the kernel."""
     B, Hkv, _, D = k.shape
-    ci = tiles.col_idx
+    ci, bits = tiles.col_idx, tiles.col_bits
+    if ci is None or bits is None:
+        raise ValueError("gather_columns: the lists have no gathered columns")
     NC = ci.shape[-1]
     NCp = -(-NC // block) * block
-    bits = tiles.col_bits
     J, Mq = bits.shape[-1], bits.shape[-2]
     if use_kernel is None:
         use_kernel = k.is_cuda
@@ -350,17 +351,17 @@ def key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: 
     if cache is not None and "key_side" in cache:
         return cache["key_side"]
     kd, vd = tma_descriptor(k, 128, cache, "k"), tma_descriptor(v, 128, cache, "v")
-    has_cols = tiles.col_idx is not None and tiles.col_bits.shape[-1] > 0
-    if not has_cols:
+    bits = tiles.col_bits
+    res: tuple
+    if tiles.col_idx is None or bits is None or bits.shape[-1] == 0:  # no gathered columns
         fc = tiles.fwd_cnt
         res = kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
     else:
         kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
         if cache is not None:
             cache["cols"] = (kc, vc, cpos)  # for the column dk/dv kernel of the backward
-        bits = tiles.col_bits
-        res = (kd, vd, tma_descriptor(kc, 128), tma_descriptor(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1],
-               batch_strides(bits), True)
+        res = (kd, vd, tma_descriptor(kc, 128), tma_descriptor(vc, 128), cpos, steps, bits, kc.shape[2],
+               bits.shape[-1], batch_strides(bits), True)
     if cache is not None:
         cache["key_side"] = res
     return res

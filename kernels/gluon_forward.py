@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mtraining_kernels.gluon_common import (
+from .gluon_common import (
     HAS_GLUON,
     LIST_ARGS,
     ROWS,
@@ -48,16 +48,16 @@ from mtraining_kernels.gluon_common import (
     snake_order,
     tma_descriptor,
 )
-from mtraining_kernels.host import LOG2E, batch_strides
-from mtraining_kernels.indexing import TileLists, dense_tile_lists
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E, batch_strides
+from .indexing import TileLists, dense_tile_lists
+from .launch import Launcher
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from mtraining_kernels.gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
+    from .gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
 
 __all__ = ["gluon_block_forward"]
 

@@ -3,7 +3,7 @@
 
 import warnings
 
-from mtraining_kernels.testing.gluon import compile_report, install_offline_sm90_target, wgmma_serialization_note
+from .testing.gluon import compile_report, install_offline_sm90_target, wgmma_serialization_note
 
 __all__ = ["compile_report", "install_offline_sm90_target", "wgmma_serialization_note"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mtraining_kernels.lists import TileLists
+from .lists import TileLists
 
 __all__ = [
     "LOG2E",

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.host import LOG2E
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E
+from .launch import Launcher
 
 __all__ = ["blocks_are_runs", "probe_lse", "probe_scores"]
 

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
+from .indexing import COL_CHUNK, TileLists
 
 __all__ = ["attention_ref", "tile_rows_mask", "vertical_slash_mask"]
 
@@ -97,7 +97,7 @@ def tile_rows_mask(tiles: TileLists, num_keys: int, tiles_range: tuple[int, int]
     grid = torch.zeros(Bp, Hp, Mr, Nk + 1, dtype=torch.bool, device=dev)
     grid.scatter_(3, torch.where(live, f_idx.long(), Nk), torch.ones_like(live))
     mask = grid[..., torch.arange(Sk, device=dev) // BN]  # [B', H', Mr, Sk]
-    if tiles.col_idx is not None:
+    if tiles.col_idx is not None and tiles.col_bits is not None:  # (set together)
         J = tiles.col_bits.shape[-1]
         bit = (tiles.col_bits[:, :, m0:m1, :, None] >> torch.arange(COL_CHUNK, device=dev)) & 1  # [B',H',Mr,J,64]
         bit = bit.reshape(Bp, Hp, Mr, J * COL_CHUNK)

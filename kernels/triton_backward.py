@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.config import KernelConfig
-from mtraining_kernels.host import (
+from .config import KernelConfig
+from .host import (
     LOG2E,
     batch_strides,
     column_args,
@@ -37,9 +37,9 @@ from mtraining_kernels.host import (
     softcap_log2,
     tile_list_args,
 )
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
-from mtraining_kernels.launch import Launcher
-from mtraining_kernels.triton_common import (
+from .indexing import COL_CHUNK, TileLists
+from .launch import Launcher
+from .triton_common import (
     CHUNK,
     COL_WORDS,
     LIST_ARGS,

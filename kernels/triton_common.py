@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mtraining_kernels.host import LOG2E
-from mtraining_kernels.lists import COL_CHUNK
+from .host import LOG2E
+from .lists import COL_CHUNK
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E_C = tl.constexpr(LOG2E)

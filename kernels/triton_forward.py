@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.config import KernelConfig
-from mtraining_kernels.host import LOG2E, column_args, default_num_warps, query_grid, softcap_log2, tile_list_args
-from mtraining_kernels.indexing import TileLists
-from mtraining_kernels.launch import Launcher
-from mtraining_kernels.triton_common import (
+from .config import KernelConfig
+from .host import LOG2E, column_args, default_num_warps, query_grid, softcap_log2, tile_list_args
+from .indexing import TileLists
+from .launch import Launcher
+from .triton_common import (
     CHUNK,
     COL_WORDS,
     LIST_ARGS,
@@ -145,9 +145,11 @@ def triton_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     has_prev = out is not None
-    if not has_prev:
+    if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    elif lse is None:
+        raise ValueError("triton_block_forward: a running out= needs its lse=")
     BM, BN = tiles.block_m, tiles.block_n
     (fi, fc, fn), fstr = tile_list_args(tiles, "fwd")
     (ci, cb), cstr, J = column_args(tiles, fc)

@@ -13,7 +13,7 @@ The dense-masked references the package itself uses (``attention_ref``, ``vertic
 ``tile_rows_mask``) are in :mod:`mtraining_kernels.reference`.
 """
 
-from mtraining_kernels.testing.precision import (
+from .precision import (
     HALF_PRECISION_CASES,
     check_half_precision,
     half_precision_case,
@@ -22,7 +22,7 @@ from mtraining_kernels.testing.precision import (
     max_abs_errors,
     random_pattern,
 )
-from mtraining_kernels.testing.references import attention_chunked_ref, tile_lists_mask, vertical_slash_attention_ref
+from .references import attention_chunked_ref, tile_lists_mask, vertical_slash_attention_ref
 
 __all__ = [
     "HALF_PRECISION_CASES", "attention_chunked_ref", "check_half_precision", "half_precision_case",

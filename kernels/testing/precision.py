@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mtraining_kernels.config import KernelConfig
-from mtraining_kernels.reference import vertical_slash_mask
-from mtraining_kernels.testing.references import attention_chunked_ref
+from ..config import KernelConfig
+from ..reference import vertical_slash_mask
+from .references import attention_chunked_ref
 
 __all__ = [
     "HALF_PRECISION_CASES", "check_half_precision", "half_precision_case", "half_precision_floor", "kernel_config",
@@ -89,8 +89,8 @@ def half_precision_case(S: int, D: int, block: int | tuple[int, int], config=Non
     The kernels run through ``vertical_slash_attention`` with ``config`` and ``softcap``, or, if given,
     ``attention(q, k, v, vertical_idx, slash_idx, block) -> out`` (the tests pass the public ``sparse_attention``).
     """
-    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
-    from mtraining_kernels.vertical_slash import vertical_slash_attention
+    from ..indexing import expand_pattern, pattern_tile_lists
+    from ..vertical_slash import vertical_slash_attention
 
     torch.manual_seed(0)
     B, H, Hkv = 1, 16, 2

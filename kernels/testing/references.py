@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from mtraining_kernels.indexing import TileLists, expand_pattern
-from mtraining_kernels.reference import attention_ref, tile_rows_mask, vertical_slash_mask
+from ..indexing import TileLists, expand_pattern
+from ..reference import attention_ref, tile_rows_mask, vertical_slash_mask
 
 __all__ = ["attention_chunked_ref", "tile_lists_mask", "vertical_slash_attention_ref"]
 

@@ -470,7 +470,7 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
 try:  # torch >= 2.9 (2.11 and 2.13 have it); return_lse=True is deprecated there
     from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
 except ImportError:  # pragma: no cover - older torch
-    _AuxRequest = None
+    _AuxRequest = None  # type: ignore[assignment,misc]
 
 
 class FlexBlockOp:

@@ -30,6 +30,7 @@ The estimator and the sparse ring are ops too: :mod:`lightning_mtraining.ring.sp
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from torch.library import custom_op, register_autograd
 
 from lightning_mtraining.core.numerics import acc_dtype
 from lightning_mtraining.core.topology import RingTopology, resolve_topology
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 from lightning_mtraining.ring.setup import dense_setup
 from lightning_mtraining.ring.walk import ring_backward, ring_forward
 
@@ -72,7 +76,7 @@ def group_by_name(name: str) -> dist.ProcessGroup | None:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(cast("GroupName", name))
 
 
 def topology_by_names(group: str, inner_group: str, outer_group: str) -> RingTopology:

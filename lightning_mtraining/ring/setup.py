@@ -110,7 +110,8 @@ def resolve_pattern(
 
 def window_for_length(window: int | None, n: int) -> int | None:
     """A valid window, or None when it spans the whole (padded) sequence and so masks nothing."""
-    if check_window(window) is None:
+    window = check_window(window)
+    if window is None:
         return None
     return None if window >= n else window
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import torch
 
@@ -92,8 +93,8 @@ class SimulatedRing:
             RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
         ]
         self.timings: dict[tuple[int, int, str], float] = {}
-        self._events: list[tuple[tuple[int, int, str], object, object]] = []
-        self._saved = None
+        self._events: list[tuple[tuple[int, int, str], torch.cuda.Event, torch.cuda.Event]] = []
+        self._saved: tuple | None = None  # what forward keeps for backward
 
     @contextlib.contextmanager
     def _timed(self, key, device: torch.device):
@@ -143,7 +144,7 @@ class SimulatedRing:
         kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
         states = []
         for r, topo in enumerate(self.topos):
-            state = None
+            state: Any = None  # (out, lse) once a step has run
             plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
                 tiles, skip = (None, skips[r].get(src, False)) if plan is None else plan.for_source(src)
@@ -187,9 +188,9 @@ class SimulatedRing:
         dks, dvs = [], []
         for c in range(W):  # sum chunk c's contributions in the real ring's order (see ring.py's Note)
             oc, ic = divmod(c, Wi)
-            total = None
+            total: Any = None  # the chunk's dK/dV [2, B, Hkv, S, D], once one node's sum is in
             for so in range(Wo):
-                node_sum = None
+                node_sum: Any = None
                 for si in range(Wi):
                     r = ((oc + so) % Wo) * Wi + (ic + si) % Wi
                     d = contrib[(r, so * Wi + si)]

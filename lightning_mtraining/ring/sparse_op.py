@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ from lightning_mtraining.ring.setup import (
 )
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.config import PatternHeads, SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
 
@@ -100,9 +101,10 @@ def pattern_widths(config: SparsityConfig, num_heads: int, num_kv_heads: int,
 def _config(last_q: int, sink_tokens: int, local_window: int, top_p: float | None, pattern_heads: str,
             vertical: tuple[int, ...], slash: tuple[int, ...], tile_size: int) -> SparsityConfig:
     # the per-head budgets as both the top-k sizes and the caps: the mode (top_p) decides which are read
+    # pattern_heads travels through the op as a str; SparsityConfig checks its value
     return SparsityConfig(vertical_topk=vertical, slash_topk=slash, top_p=top_p, max_vertical=vertical,
                           max_slash=slash, last_q=last_q, sink_tokens=sink_tokens, local_window=local_window,
-                          pattern_heads=pattern_heads, tile_size=tile_size)
+                          pattern_heads=cast(PatternHeads, pattern_heads), tile_size=tile_size)
 
 
 def _pad(idx: torch.Tensor, width: int) -> torch.Tensor:
@@ -194,11 +196,11 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])
     variant = attention_variant(None, softcap, doc_start)
     doc_skips = document_skips(positions, topo.cp_rank, doc_start) if doc_start is not None else None
-    pattern = VerticalSlashPattern(vertical_idx, slash_idx, tile_size)
+    given = VerticalSlashPattern(vertical_idx, slash_idx, tile_size)
     if validate:
-        pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
+        given.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
-    pattern = sparse_part(pattern, real_lengths(seq_lens or None, q.shape[0], n),
+    pattern = sparse_part(given, real_lengths(seq_lens or None, q.shape[0], n),
                           dense_above if dense_above >= 0 else None, n)
     if pattern is None:
         d = dense_setup(q, k, v, topo, layout, block_size, scale, None, softcap, doc_start)

@@ -163,7 +163,8 @@ class AttentionSchedule:
         every causal pair of their sequence. A :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` brings its
         decision and pair counts with it (``dense_above`` is then its own): they are not computed again."""
         self._measured_len = max(self._measured_len if self._stats else 0, *lengths, 0)
-        if isinstance(pattern, LayerPattern) and pattern.allowed is not None:
+        # decide() sets allowed, causal and dense together
+        if isinstance(pattern, LayerPattern) and pattern.allowed is not None and pattern.causal is not None:
             p = pattern.estimated.to("cpu")
             per_head, causal_rows, mask = pattern.allowed, pattern.causal, pattern.dense
         else:
@@ -180,7 +181,7 @@ class AttentionSchedule:
         if n_dense == per_head.numel() and n_dense > 0:  # the ring ran its dense op
             self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, **base)
             return
-        if n_dense:
+        if mask is not None and n_dense:
             p = with_dense_heads(p, mask, n_total)
         if cp_size > 1:
             work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
