@@ -1,7 +1,7 @@
 """Benchmark: the online pattern estimator's time against the sparse attention it feeds, per layer, one GPU.
 
-Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, e.g. ``mkdir -p /tmp/alias && ln -sfn
-$PWD/kernels /tmp/alias/mtraining_kernels && PYTHONPATH=$PWD:/tmp/alias``)::
+Command (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``, which maps
+the import name ``mtraining_kernels`` to ``kernels/``)::
 
     python benchmarks/estimation.py --out $OUT/estimation.json
     python benchmarks/estimation.py --cpu-smoke --out /tmp/estimation_smoke.json   # CPU, tiny sizes, torch paths

@@ -1,8 +1,8 @@
 """Benchmark: the LM loss's forward+backward without its logits (``losses.fused_linear_cross_entropy``) against
 the plain loss, Liger-Kernel's and cut-cross-entropy's fused losses, one GPU.
 
-Commands (GPU, repo root, ``PYTHONPATH=$PWD`` where the package is not installed; Liger-Kernel and
-cut-cross-entropy are used where importable, a row says so where not)::
+Commands (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``; Liger-Kernel
+and cut-cross-entropy are used where importable, a row says so where not)::
 
     python benchmarks/fused_loss.py --out $OUT/fused_loss.json
     python benchmarks/fused_loss.py --rows 8192 --methods plain ours --out $OUT/fused_loss_8k.json

@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     if args.compile_only:
-        from mtraining_kernels.gluon_tooling import install_offline_sm90_target
+        from mtraining_kernels.testing.gluon import install_offline_sm90_target
 
         install_offline_sm90_target()
         A = torch.empty(1024, 1024, dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
 """Precision report: the vertical-slash kernels' error against a float32 reference, next to torch's own error.
 
 For each case of ``test_fp16_matches_fp32_reference`` (``tests/gpu/test_kernels_gpu.py``; the cases are
-``mtraining_kernels.reference.HALF_PRECISION_CASES``: Gluon at 128 x 128 with head dim 128 and 64, Triton at 64 x 64,
+``mtraining_kernels.testing.HALF_PRECISION_CASES``: Gluon at 128 x 128 with head dim 128 and 64, Triton at 64 x 64,
 the all-snake order at 32767), in bfloat16 and in float16, runs the tests' check
-(``mtraining_kernels.reference.half_precision_case``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes,
+(``mtraining_kernels.testing.half_precision_case``: Qwen2.5-3B heads 16 / 2 KV, 300 verticals, six slashes,
 per-head budgets, one fwd+bwd) and prints the max abs error of out, dq, dk and dv for the kernel and for the same
 masked attention computed by torch at the same precision, both against float32, with their ratio. The check
 asserts ratio <= 2 (flash-attention's rule) plus a small floor; this script shows the margin. Not a timing. (The
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernel_precision.py needs a CUDA GPU (the precision cases allocate on 'cuda')")
-    from mtraining_kernels.reference import HALF_PRECISION_CASES, half_precision_case, kernel_config
+    from mtraining_kernels.testing import HALF_PRECISION_CASES, half_precision_case, kernel_config
 
     rows = []
     print(f"{'dtype':9} {'S':>6} {'D':>4} {'tiles':>9} {'order':>6} " + " ".join(f"{n + ' k/t':>22}" for n in NAMES))

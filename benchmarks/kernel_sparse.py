@@ -201,8 +201,8 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     from mtraining_kernels import list_builder as lb
     from mtraining_kernels import triton_backward as tb
     from mtraining_kernels import triton_forward as tf
-    from mtraining_kernels.gluon_tooling import wgmma_serialization_note
-    from mtraining_kernels.triton_common import _num_warps
+    from mtraining_kernels.host import default_num_warps
+    from mtraining_kernels.testing.gluon import wgmma_serialization_note
     from mtraining_kernels.vertical_slash import DEFAULT_CONFIG
 
     cfg = config or DEFAULT_CONFIG
@@ -215,13 +215,13 @@ def resources(block_m=64, block_n=64, head_dims=(64, 128), config=None) -> None:
     for D in head_dims:
         common = dict(HEAD_DIM=D, BLOCK_M=block_m)
         sub = min(block_m, cfg.sub_m)
-        bw = lambda bm, bn: cfg.bwd_warps or _num_warps(bm, bn, D)  # noqa: E731
+        bw = lambda bm, bn: cfg.bwd_warps or default_num_warps(bm, bn, D)  # noqa: E731
         rows = min(block_m, cfg.q_rows or block_m)
         sub_n = min(block_n, cfg.sub_n)
         qprog = dict(ROWS=rows, HEAVY_FIRST=cfg.heavy_first)
         kernels = [(tf._vs_fwd_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=True,
                                             HAS_PREV=False, BLOCK_J=32, **qprog),
-                    cfg.fwd_stages, cfg.fwd_warps or _num_warps(rows, block_n, D))]
+                    cfg.fwd_stages, cfg.fwd_warps or default_num_warps(rows, block_n, D))]
         kernels.append((tb._vs_bwd_dq_kernel, dict(BLOCK_N=block_n, BLOCK_C=cfg.col_step, SUB_N=sub_n,
                                                    HAS_COLS=True, BLOCK_J=32, **qprog),
                         cfg.bwd_stages, cfg.dq_warps or bw(rows, sub_n)))

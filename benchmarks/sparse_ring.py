@@ -1,7 +1,7 @@
 """Benchmark: the sparse ring on one GPU, every virtual rank's per-step kernel time, against the dense ring.
 
-Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, e.g. ``mkdir -p /tmp/alias && ln -sfn
-$PWD/kernels /tmp/alias/mtraining_kernels && PYTHONPATH=$PWD:/tmp/alias``)::
+Command (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``, which maps
+the import name ``mtraining_kernels`` to ``kernels/``)::
 
     python benchmarks/sparse_ring.py --out $OUT/sparse_ring.json
     python benchmarks/sparse_ring.py --cases 524288:32 --reps 2 --dense-reps 1 --out $OUT/sparse_ring_512k.json

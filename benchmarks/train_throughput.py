@@ -91,7 +91,7 @@ QWEN_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, 
 SPLIT = ("attention", "estimation", "lists", "rest")
 RANGES = {"mtraining::attention": "attention", "mtraining::estimate": "estimation", "mtraining::lists": "lists"}
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
-# kernels whose launch the profiler did not record, by name: the Triton kernels of mtraining_kernels/probe_scores.py,
+# kernels whose launch the profiler did not record, by name: the Triton kernels of kernels/probe_scores.py,
 # list_builder.py, triton_forward.py, triton_backward.py and the gluon_*.py files
 UNLINKED = {"estimation": ("_lse_kernel", "_scores_kernel"),
             "lists": ("_mark_kernel", "_compact_kernel", "_lists_kernel", "_col_bits_kernel"),
@@ -260,11 +260,13 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
                 self.sync_log.__enter__()
                 warnings.simplefilter("always")
 
+                kernels_dir = os.path.dirname(sys.modules["mtraining_kernels"].__file__) + os.sep  # kernels/
+
                 def where(message, category, filename, lineno, file=None, line=None):
                     # called while the warning is raised: the stack names the line that synchronised
                     if "synchroniz" in str(message):
                         frames = [f for f in traceback.extract_stack()[:-1] if "/lightning_mtraining/" in f.filename
-                                  or "/mtraining_kernels/" in f.filename]
+                                  or f.filename.startswith(kernels_dir)]
                         self.sync_records.append(f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}"
                                                  if frames else "outside the package")
 

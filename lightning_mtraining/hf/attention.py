@@ -68,8 +68,8 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
     layer_idx = getattr(module, "layer_idx", None)
     if schedule is None:
         sparsity = cfg.sparsity
-    elif as_op and layer_idx in plan.layer_configs:  # decided when the forward began (no step count in the graph)
-        sparsity = plan.layer_configs[layer_idx]
+    elif as_op and layer_idx is not None and layer_idx in plan.layer_configs:
+        sparsity = plan.layer_configs[layer_idx]  # decided when the forward began (no step count in the graph)
     else:
         sparsity = schedule.config_for(layer_idx)
     if sparsity is None:
@@ -126,7 +126,8 @@ def ring_attention_forward(
     if cfg is None:
         raise RuntimeError(
             f"{name} uses attn_implementation={ATTENTION_NAME!r} but was not prepared for it; train with "
-            "MTrainingStrategy / MTrainingFabricStrategy, or call lightning_mtraining.hf.model.prepare_model(model, plan)"
+            "MTrainingStrategy / MTrainingFabricStrategy, or call "
+            "lightning_mtraining.hf.model.prepare_model(model, plan)"
         )
     if attention_mask is not None:
         raise ValueError(
@@ -162,13 +163,15 @@ def ring_attention_forward(
 
 
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
-    # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its graph.
-    # Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
+    # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its
+    # graph. Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
     # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward
     # reuses the forward's per-step lists (the sparse op's backward rebuilds them, see ring.sparse_op)
     compiling = torch.compiler.is_compiling()
-    pattern, dense_above = (None, None) if window is not None else _layer_pattern(module, cfg, query, key, scaling,
-                                                                                  as_op=compiling)
+    pattern: Any = None  # dense; else a LayerPattern, or (while compiling) the estimate op's tensors and tile size
+    dense_above: float | None = None
+    if window is None:
+        pattern, dense_above = _layer_pattern(module, cfg, query, key, scaling, as_op=compiling)
     doc_start = cfg.plan.current.doc_start if cfg.plan is not None and cfg.plan.current is not None else None
     args = dict(group=cfg.group, layout=cfg.layout, block_size=cfg.block_size, inner_group=cfg.inner_group,
                 outer_group=cfg.outer_group, scale=scaling, softcap=softcap, doc_start=doc_start)

@@ -58,13 +58,12 @@ def ring_attention(
         group: the CP process group (default: the default group; none initialised means world size 1). Sparse
             attention with a hierarchical ring needs it (the pattern is estimated over the whole CP group).
         layout, block_size: how the sequence was sharded (:mod:`lightning_mtraining.core.layouts`).
-        sparsity: ``None`` for dense (exact) ring attention; a :class:`SparsityConfig` to estimate the pattern
-            online (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`); a :class:`VerticalSlashPattern` to use
+        sparsity: ``None`` for dense (exact) ring attention; a :class:`SparsityConfig` to estimate the pattern online
+            (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`); a :class:`VerticalSlashPattern` to use
             as given; a :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (a pattern whose dense heads were
             already decided, as the Hugging Face hook passes it) runs as decided, with no second check or decision.
-            Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx,
-            block_size=p.tile_size)`` on the unsharded tensors; every shard must hold whole T x T tiles (striped:
-            ``block_size`` a multiple of T).
+            Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx, block_size=p.tile_size)``
+            on the unsharded tensors; every shard must hold whole T x T tiles (striped: ``block_size`` a multiple of T).
         inner_group, outer_group: intra-node and inter-node rings for hierarchical ring attention; CP ranks
             must be numbered ``outer_rank * inner_size + inner_rank``.
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -83,15 +82,15 @@ def ring_attention(
             ``attn_logit_softcapping``). Sparse: the pattern is estimated from uncapped scores (the cap is
             monotonic, so each row's ranking of keys is the same), the attention over it is capped (the Triton
             kernels apply the cap on CUDA; their Gluon variants do not, so a capped layer runs the Triton ones).
-        doc_start: packed documents: ``[B or 1, S]`` integers, for each of this rank's tokens the global position of
-            its document's first token (:attr:`~lightning_mtraining.distributed.sharding.ShardedBatch.doc_start`); a token sees
-            only keys of its own document (``doc_start <= k <= q``), in the dense and the sparse ring. Ring steps
-            with no key in any of this rank's documents compute nothing, and within a step the torch op computes no
-            key below its query chunk's earliest document. A sparse pattern is estimated with the same mask and
-            forces every document's first ``sink_tokens`` keys (:func:`~lightning_mtraining.sparsity.estimation.
-            estimate_pattern`). Ops: the dense ring's FlexAttention on CUDA and the torch op mask documents; the
-            sparse Triton kernels have no per-document bound yet, so a sparse ring over packed documents runs the
-            chunked torch op (:class:`TorchBlockOp`) on CUDA: exact but slower (warned once).
+        doc_start: packed documents: ``[B or 1, S]`` integers, for each of this rank's tokens the global position of its
+            document's first token (:attr:`~lightning_mtraining.distributed.sharding.ShardedBatch.doc_start`); a token
+            sees only keys of its own document (``doc_start <= k <= q``), in the dense and the sparse ring. Ring steps
+            with no key in any of this rank's documents compute nothing, and within a step the torch op computes no key
+            below its query chunk's earliest document. A sparse pattern is estimated with the same mask and forces every
+            document's first ``sink_tokens`` keys (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`).
+            Ops: the dense ring's FlexAttention on CUDA and the torch op mask documents; the sparse Triton kernels have
+            no per-document bound yet, so a sparse ring over packed documents runs the chunked torch op
+            (:class:`TorchBlockOp`) on CUDA: exact but slower (warned once).
 
         dense_above: compute densely each pattern head whose pattern allows more than this share of the causal pairs
             of its real sequence (``seq_len``; :func:`~lightning_mtraining.sparsity.pattern.sparse_part`: decided per

@@ -339,11 +339,11 @@ class TorchBlockOp:
                     mask = self._additive_mask(q_pos[start:end], k_pos, full, visible, G, q.dtype)
                 else:
                     mask = self._additive(allowed, q.dtype)
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                o, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qc, self._keys(k, keys, visible), self._keys(v, keys, visible), attn_mask=mask, scale=scale
                 )
                 if empty is not None:  # the fused kernel reports lse 0 (and out 0) for rows that see no key
-                    l = l.masked_fill(empty, float("-inf"))
+                    lse_c = lse_c.masked_fill(empty, float("-inf"))
             else:
                 qc = q5[:, :, :, start:end].reshape(B, Hkv, G * C, D).to(adt)
                 if keys is None:
@@ -352,11 +352,11 @@ class TorchBlockOp:
                     s, _ = _capped(torch.matmul(qc, kf.index_select(2, keys).transpose(-1, -2)) * scale, softcap)
                 if allowed is not None:
                     s = s.masked_fill(~allowed, float("-inf"))
-                l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
-                safe = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+                lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*C]
+                safe = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
                 o = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), self._keys(vf, keys, visible))
             out.view(B, Hkv, G, Sq, D)[:, :, :, start:end] = o.reshape(B, Hkv, G, C, D).to(q.dtype)
-            lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = l.reshape(B, Hkv, G, C).to(adt)
+            lse.view(B, Hkv, G, Sq)[:, :, :, start:end] = lse_c.reshape(B, Hkv, G, C).to(adt)
         if fused:
             # the fused kernel reports lse 0 (and out 0) for rows that see no key; the protocol says -inf
             lse[..., q_pos < k_pos[0]] = float("-inf")
@@ -470,7 +470,7 @@ def tile_classes(q_pos: torch.Tensor, k_pos: torch.Tensor, tile_q: int, tile_k: 
 try:  # torch >= 2.9 (2.11 and 2.13 have it); return_lse=True is deprecated there
     from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
 except ImportError:  # pragma: no cover - older torch
-    _AuxRequest = None
+    _AuxRequest = None  # type: ignore[assignment,misc]
 
 
 class FlexBlockOp:
@@ -493,8 +493,8 @@ class FlexBlockOp:
         self.cache_size = cache_size
         self._flex = None
         # BlockMasks by the identity of the position tensors: the ring reuses the same position tensors for
-        # every layer and step (see :func:`~lightning_mtraining.ring.setup.rank_positions`), so each mask is built once. Entries keep the tensors
-        # alive, so an id cannot be recycled while its entry exists.
+        # every layer and step (see :func:`~lightning_mtraining.ring.setup.rank_positions`), so each mask is built
+        # once. Entries keep the tensors alive, so an id cannot be recycled while its entry exists.
         self._masks: dict[tuple[int, int, int | None, int | None], tuple] = {}
         self._score_mods: dict[float, object] = {}  # one function per cap, so compiled graphs are reused
 

@@ -30,6 +30,7 @@ The estimator and the sparse ring are ops too: :mod:`lightning_mtraining.ring.sp
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from torch.library import custom_op, register_autograd
 
 from lightning_mtraining.core.numerics import acc_dtype
 from lightning_mtraining.core.topology import RingTopology, resolve_topology
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 from lightning_mtraining.ring.setup import dense_setup
 from lightning_mtraining.ring.walk import ring_backward, ring_forward
 
@@ -72,7 +76,7 @@ def group_by_name(name: str) -> dist.ProcessGroup | None:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(cast("GroupName", name))
 
 
 def topology_by_names(group: str, inner_group: str, outer_group: str) -> RingTopology:
@@ -150,8 +154,8 @@ def dense_ring_attention(
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=None`` and the default block op, as one custom
-    op that ``torch.compile`` does not break (arguments as there). Differentiable in q, k and v."""
-    out, _ = _forward_op(q, k, v, doc_start, group_name(group), group_name(inner_group), group_name(outer_group), layout,
-                         block_size, scale, window, softcap)
+    """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=None`` and the default block op, as
+    one custom op that ``torch.compile`` does not break (arguments as there). Differentiable in q, k and v."""
+    out, _ = _forward_op(q, k, v, doc_start, group_name(group), group_name(inner_group), group_name(outer_group),
+                         layout, block_size, scale, window, softcap)
     return out

@@ -45,13 +45,15 @@ def shared_block_op(device: torch.device) -> BlockAttentionOp:
 
 
 @functools.lru_cache(maxsize=64)
-def rank_positions(n: int, cp_size: int, layout: str, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def rank_positions(n: int, cp_size: int, layout: str, block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, ...]:
     """Every CP rank's global positions; cached so that every layer and step sees the same tensors (which lets
     block ops cache what they derive from them, such as FlexAttention BlockMasks)."""
     return tuple(global_positions(n, r, cp_size, layout, block_size, device=device) for r in range(cp_size))
 
 
-def validate_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, block_size: int, cp_size: int) -> None:
+def validate_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, block_size: int,
+                         cp_size: int) -> None:
     check_attention_inputs(q, k, v)
     check_local_length(q.shape[2], cp_size, layout, block_size)
 
@@ -108,7 +110,8 @@ def resolve_pattern(
 
 def window_for_length(window: int | None, n: int) -> int | None:
     """A valid window, or None when it spans the whole (padded) sequence and so masks nothing."""
-    if check_window(window) is None:
+    window = check_window(window)
+    if window is None:
         return None
     return None if window >= n else window
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import torch
 
@@ -54,14 +55,15 @@ class SimulatedRing:
         op: per-block attention op (default as in :func:`~lightning_mtraining.ring.attention.ring_attention`).
         scale: softmax scale (default ``1/sqrt(D)``).
         time_steps: record each (rank, step) compute time in :attr:`timings` (CUDA events on GPU).
-        pattern: a global :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` for the sparse ring (None: dense);
-            each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per rank).
-        verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.attention.ring_attention`; the
-            gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed over
-            the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
+        pattern: a global :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` for the sparse ring
+            (None: dense); each virtual rank builds its step lists as the real ring does (:attr:`step_lists`, per
+            rank).
+        verticals: ``"gathered"`` or ``"arrival"``, as in :func:`~lightning_mtraining.ring.attention.ring_attention`;
+            the gathered vertical step is timed as step W (after the ring's steps). Its columns' dK/dV are summed
+            over the virtual ranks in rank order (the real ring's all-reduce may order that sum differently).
         window, softcap: a sliding-window layer and score soft-capping, as in
-            :func:`~lightning_mtraining.ring.attention.ring_attention` (a window makes the ring dense, steps outside every
-            window skipped).
+            :func:`~lightning_mtraining.ring.attention.ring_attention` (a window makes the ring dense, steps outside
+            every window skipped).
     """
 
     def __init__(
@@ -91,8 +93,8 @@ class SimulatedRing:
             RingTopology(r % inner_size, inner_size, r // inner_size, self.outer_size) for r in range(world_size)
         ]
         self.timings: dict[tuple[int, int, str], float] = {}
-        self._events: list[tuple[tuple[int, int, str], object, object]] = []
-        self._saved = None
+        self._events: list[tuple[tuple[int, int, str], torch.cuda.Event, torch.cuda.Event]] = []
+        self._saved: tuple | None = None  # what forward keeps for backward
 
     @contextlib.contextmanager
     def _timed(self, key, device: torch.device):
@@ -142,7 +144,7 @@ class SimulatedRing:
         kvs = [torch.stack([shard(k, r), shard(v, r)]) for r in range(W)]
         states = []
         for r, topo in enumerate(self.topos):
-            state = None
+            state: Any = None  # (out, lse) once a step has run
             plan = self.step_lists[r]
             for step, src in enumerate(topo.sources()):
                 tiles, skip = (None, skips[r].get(src, False)) if plan is None else plan.for_source(src)
@@ -186,9 +188,9 @@ class SimulatedRing:
         dks, dvs = [], []
         for c in range(W):  # sum chunk c's contributions in the real ring's order (see ring.py's Note)
             oc, ic = divmod(c, Wi)
-            total = None
+            total: Any = None  # the chunk's dK/dV [2, B, Hkv, S, D], once one node's sum is in
             for so in range(Wo):
-                node_sum = None
+                node_sum: Any = None
                 for si in range(Wi):
                     r = ((oc + so) % Wo) * Wi + (ic + si) % Wi
                     d = contrib[(r, so * Wi + si)]

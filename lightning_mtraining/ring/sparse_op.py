@@ -1,16 +1,17 @@
 """The pattern estimator and the sparse ring as ``torch.library`` custom ops, so ``torch.compile`` sees opaque ops.
 
-:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern` and the sparse :func:`~lightning_mtraining.ring.attention.ring_attention`
-are Python around collectives, host syncs (list widths, skipped steps) and an ``autograd.Function``: the compiler
-breaks the graph there. This module computes the same through three custom ops, each with a fake implementation
-(shapes only); process groups travel by name, as in :mod:`lightning_mtraining.ring.dense_op`:
+:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern` and the sparse
+:func:`~lightning_mtraining.ring.attention.ring_attention` are Python around collectives, host syncs (list widths,
+skipped steps) and an ``autograd.Function``: the compiler breaks the graph there. This module computes the same through
+three custom ops, each with a fake implementation (shapes only); process groups travel by name, as in
+:mod:`lightning_mtraining.ring.dense_op`:
 
 - ``mtraining::estimate_pattern(q, k, ...) -> (vertical_idx, slash_idx)``: the layer's global pattern as two int64
   tensors of *static* width, so the compiled graph knows their shapes: ``sink_tokens + max vertical budget`` and
-  ``local_window + max slash budget`` columns (the budgets are the top-k sizes, or in top-p mode the caps), -1
-  padding on the right (a :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` ignores negative entries; the
-  estimator's own output is never wider). Packed documents force the first ``sink_tokens`` keys of every document,
-  a number only the data knows: there the vertical width is a data-dependent size in the graph.
+  ``local_window + max slash budget`` columns (the budgets are the top-k sizes, or in top-p mode the caps), -1 padding
+  on the right (a :class:`~lightning_mtraining.sparsity.pattern.VerticalSlashPattern` ignores negative entries; the
+  estimator's own output is never wider). Packed documents force the first ``sink_tokens`` keys of every document, a
+  number only the data knows: there the vertical width is a data-dependent size in the graph.
 - ``mtraining::sparse_ring_forward(q, k, v, vertical_idx, slash_idx, ...) -> (out, lse)`` and
   ``mtraining::sparse_ring_backward(dout, q, k, v, out, lse, vertical_idx, slash_idx, ...) -> (dq, dk, dv)``, the
   backward registered as the forward's autograd formula.
@@ -22,16 +23,15 @@ have to return them all. Rebuilding costs one list-builder call (one Triton laun
 all-reduce of the gathered columns' K/V (``[2, B, Hkv, NV, D]``, a few MB) per layer: a small share of a training step
 next to the attention itself.
 
-One pattern per forward (Note [One pattern per forward] in :mod:`lightning_mtraining.sparsity.schedule`): a compiled layer
-recomputed by activation checkpointing must run the same graph as its forward (non-reentrant checkpointing checks
-that the recompute saves the same tensors), so the pattern cannot come from the schedule's cache there (a second
-graph). Instead the estimate op takes ``reuse=(forward_id, key)``: a CPU int64 tensor naming the model forward (an
-input of the graph, bumped by the model hook each forward) and one naming the plan and layer (an input too, so the
-layers' graphs are one graph, compiled once); called again with the same pair, it returns the pattern it estimated
-then, without estimating or communicating (every rank of the group makes the same decision: they share the forward
-count). One pattern per (plan, layer) is kept, until the next
-forward's replaces it or the plan is freed. The compiled layers do not measure the density, imbalance or recall
-(host work); those are measured in eager forwards only.
+One pattern per forward (Note [One pattern per forward] in :mod:`lightning_mtraining.sparsity.schedule`): a compiled
+layer recomputed by activation checkpointing must run the same graph as its forward (non-reentrant checkpointing checks
+that the recompute saves the same tensors), so the pattern cannot come from the schedule's cache there (a second graph).
+Instead the estimate op takes ``reuse=(forward_id, key)``: a CPU int64 tensor naming the model forward (an input of the
+graph, bumped by the model hook each forward) and one naming the plan and layer (an input too, so the layers' graphs are
+one graph, compiled once); called again with the same pair, it returns the pattern it estimated then, without estimating
+or communicating (every rank of the group makes the same decision: they share the forward count). One pattern per (plan,
+layer) is kept, until the next forward's replaces it or the plan is freed. The compiled layers do not measure the
+density, imbalance or recall (host work); those are measured in eager forwards only.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ from lightning_mtraining.ring.setup import (
 )
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
-from lightning_mtraining.sparsity.config import SparsityConfig
+from lightning_mtraining.sparsity.config import PatternHeads, SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
 
@@ -100,9 +101,10 @@ def pattern_widths(config: SparsityConfig, num_heads: int, num_kv_heads: int,
 def _config(last_q: int, sink_tokens: int, local_window: int, top_p: float | None, pattern_heads: str,
             vertical: tuple[int, ...], slash: tuple[int, ...], tile_size: int) -> SparsityConfig:
     # the per-head budgets as both the top-k sizes and the caps: the mode (top_p) decides which are read
+    # pattern_heads travels through the op as a str; SparsityConfig checks its value
     return SparsityConfig(vertical_topk=vertical, slash_topk=slash, top_p=top_p, max_vertical=vertical,
                           max_slash=slash, last_q=last_q, sink_tokens=sink_tokens, local_window=local_window,
-                          pattern_heads=pattern_heads, tile_size=tile_size)
+                          pattern_heads=cast(PatternHeads, pattern_heads), tile_size=tile_size)
 
 
 def _pad(idx: torch.Tensor, width: int) -> torch.Tensor:
@@ -194,11 +196,11 @@ def _sparse_setup(q, k, v, vertical_idx, slash_idx, doc_start, group: str, inner
     doc_start = check_doc_start(doc_start, q, positions[topo.cp_rank])
     variant = attention_variant(None, softcap, doc_start)
     doc_skips = document_skips(positions, topo.cp_rank, doc_start) if doc_start is not None else None
-    pattern = VerticalSlashPattern(vertical_idx, slash_idx, tile_size)
+    given = VerticalSlashPattern(vertical_idx, slash_idx, tile_size)
     if validate:
-        pattern.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
+        given.validate(n, q.shape[1], k.shape[1], batch_size=q.shape[0])
     check_sparse_layout(n, topo.cp_size, layout, block_size, tile_size)
-    pattern = sparse_part(pattern, real_lengths(seq_lens or None, q.shape[0], n),
+    pattern = sparse_part(given, real_lengths(seq_lens or None, q.shape[0], n),
                           dense_above if dense_above >= 0 else None, n)
     if pattern is None:
         d = dense_setup(q, k, v, topo, layout, block_size, scale, None, softcap, doc_start)
@@ -246,7 +248,8 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         dout = dout.contiguous()
         kv = torch.stack([k, v])
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, topo, positions, op, scale, plan, variant, doc_skips)
-        if plan is not None and plan.vert_pos is not None:  # Note [Gathered verticals] in ring/walk.py: the columns' K/V again, then their step
+        # Note [Gathered verticals] in ring/walk.py: the columns' K/V again, then their step
+        if plan is not None and plan.vert_pos is not None:
             kv_v = gather_vertical_kv(kv, plan, est_group, topo.cp_size)
             gathered_backward(dq, q, kv_v, out, lse, dout, positions[topo.cp_rank], plan, op, scale, est_group,
                                topo.cp_size, dk, dv, variant)
@@ -297,11 +300,11 @@ def sparse_ring_attention(
     dense_above: float | None = None,
     seq_len: list[int] | int | None = None,
 ) -> torch.Tensor:
-    """:func:`~lightning_mtraining.ring.attention.ring_attention` with ``sparsity=VerticalSlashPattern(vertical_idx, slash_idx,
-    tile_size)`` and the default block op, as one custom op that ``torch.compile`` does not break (arguments as
-    there; the pattern as its two tensors, e.g. from :func:`estimate_pattern_op`; ``dense_above`` as there: a pattern
-    that allows more than that share of the pairs of the real sequences, ``seq_len``, runs dense, decided inside the
-    op). Differentiable in q, k and v."""
+    """:func:`~lightning_mtraining.ring.attention.ring_attention` with
+    ``sparsity=VerticalSlashPattern(vertical_idx, slash_idx, tile_size)`` and the default block op, as one custom op
+    that ``torch.compile`` does not break (arguments as there; the pattern as its two tensors, e.g. from
+    :func:`estimate_pattern_op`; ``dense_above`` as there: a pattern that allows more than that share of the pairs of
+    the real sequences, ``seq_len``, runs dense, decided inside the op). Differentiable in q, k and v."""
     if verticals not in ("arrival", "gathered"):
         raise ValueError(f"verticals must be 'gathered' or 'arrival', got {verticals!r}")
     if inner_group is not None and group is None:
@@ -309,7 +312,7 @@ def sparse_ring_attention(
             "sparse hierarchical ring attention needs group= (the whole CP group) besides inner_group and outer_group"
         )
     out, _ = _forward_op(q, k, v, vertical_idx, slash_idx, doc_start, group_name(group), group_name(inner_group),
-                         group_name(outer_group), layout, block_size, tile_size, default_scale(q.shape[-1], scale), softcap,
-                         verticals, -1.0 if dense_above is None else float(dense_above),
+                         group_name(outer_group), layout, block_size, tile_size, default_scale(q.shape[-1], scale),
+                         softcap, verticals, -1.0 if dense_above is None else float(dense_above),
                          [] if seq_len is None else real_lengths(seq_len, q.shape[0], 0))
     return out

@@ -88,7 +88,8 @@ def backward_step(dq, op: BlockAttentionOp, q, kv_chunk, out, lse, dout, q_pos, 
     return torch.stack([dk_b.to(adt), dv_b.to(adt)])
 
 
-def lists_for_step(plan: StepLists | None, src: int, skip_dense: dict[int, bool] | None = None) -> tuple[TileLists | None, bool]:
+def lists_for_step(plan: StepLists | None, src: int,
+                   skip_dense: dict[int, bool] | None = None) -> tuple[TileLists | None, bool]:
     """The step's lists and whether it computes nothing: ``skip_dense`` (window or document skips) holds for the
     dense and the sparse ring alike."""
     extra = bool(skip_dense and skip_dense.get(src, False))

@@ -25,8 +25,8 @@ What is measured (per step of one ring call, :class:`RingStep`):
 
 Levels: ``"inner"`` is the inner ring (a hierarchical ring's intra-node ring; a flat ring is all inner, whatever links
 its hops cross), ``"outer"`` the outer ring (inter-node), ``"collective"`` the all-reduces of the gathered vertical
-columns' K/V and dK/dV (Note [Gathered verticals] in :mod:`lightning_mtraining.ring.walk`), recorded in the sparse ring's extra
-``"vertical"`` step.
+columns' K/V and dK/dV (Note [Gathered verticals] in :mod:`lightning_mtraining.ring.walk`), recorded in the sparse
+ring's extra ``"vertical"`` step.
 
 Note [A process-wide switch]
 ----------------------------
@@ -107,8 +107,8 @@ def _elapsed_ms(start: Any, end: Any) -> float:
 
 
 class RingTrace:
-    """Records what every ring step of :func:`~lightning_mtraining.ring.attention.ring_attention` does while it is active
-    (``with trace: ...``); see the module docstring for what is measured and how.
+    """Records what every ring step of :func:`~lightning_mtraining.ring.attention.ring_attention` does while it is
+    active (``with trace: ...``); see the module docstring for what is measured and how.
 
     A trace keeps every step until :meth:`reset` (on CUDA, two events per timed span): enable it for the steps to
     measure, not for a whole run (:class:`~lightning_mtraining.callbacks.ring_trace.RingTraceCallback` resets it each

@@ -73,6 +73,7 @@ class _Exchange:
 
     def __init__(self, send: torch.Tensor, group: dist.ProcessGroup | None, rank: int, size: int, level: str) -> None:
         self.recv, self.level = torch.empty_like(send), level
+        assert group is not None  # a ring of one rank posts no transfer; a longer one has its group
         nxt = dist.get_global_rank(group, (rank + 1) % size)
         prv = dist.get_global_rank(group, (rank - 1) % size)
         ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, self.recv, prv, group)]
@@ -118,6 +119,7 @@ def _walk(kv: torch.Tensor, topo: RingTopology) -> Iterator[tuple[int, torch.Ten
 def gather_vertical_kv(kv: torch.Tensor, plan: StepLists, group, cp_size: int) -> torch.Tensor:
     """``[2, B, Hkv, NV, D]``: the K/V rows of the pattern's vertical keys, from the ranks that own them (exact:
     each row is summed from one owner and zeros)."""
+    assert plan.owned is not None  # set together with vert_pos (Note [Gathered verticals])
     local, mine = plan.owned
     rows = kv.index_select(3, local) * mine.view(1, 1, 1, -1, 1).to(kv.dtype)
     if cp_size > 1:
@@ -163,8 +165,7 @@ def ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Bloc
             outer_kv_pending = _outer(topo, outer_kv) if so < Wo - 1 else None
             cur = outer_kv
             inner_dkv: _Exchange | None = None
-            dkv = None
-            for si in range(Wi):
+            for si in range(Wi):  # at least one step: dkv is set below
                 if si:
                     ring_trace.step()
                 kv_pending = _inner(topo, cur) if si < Wi - 1 else None
@@ -190,6 +191,7 @@ def ring_backward(dout, q, kv, out, lse, topo: RingTopology, positions, op: Bloc
                 outer_kv = outer_kv_pending.wait()
         if Wo > 1:
             total = outer_dkv.wait()
+    assert total is not None  # the one node's sum, or the sum the outer ring returned
     return dq, total[0], total[1]
 
 
@@ -207,6 +209,7 @@ def gathered_backward(dq, q, kv_v, out, lse, dout, q_pos, plan: StepLists, op, s
             with named_failure(f"ring attention's all-reduce of the vertical keys' dK/dV {tuple(dkv_v.shape)}"), \
                     ring_trace.waiting("collective"):
                 dist.all_reduce(dkv_v, group=group)
+    assert plan.owned is not None  # set together with vert_pos (Note [Gathered verticals])
     local, mine = plan.owned
     keep = mine.view(1, 1, 1, -1, 1).to(dkv_v.dtype)
     dk.index_add_(2, local, (dkv_v[0] * keep[0]).to(dk.dtype))

@@ -257,7 +257,8 @@ def _covered_by_tiles(
         # j <= J-1-i when a + d < P, and j <= J-2-i otherwise (prefix counts over j, read back to front).
         P = lam * cp_size
         J = NT // P
-        by_j = _later_offsets(comp).view(R, J, P).long().cumsum(1).flip(1)  # [R, i, d]: computed u of residue d, j <= J-1-i
+        # [R, i, d]: computed u of residue d, j <= J-1-i
+        by_j = _later_offsets(comp).view(R, J, P).long().cumsum(1).flip(1)
         next_j = torch.zeros_like(by_j)
         next_j[:, :-1] = by_j[:, 1:]  # j <= J-2-i
         h = hist.view(R * J, P).T  # [a, (row, i)]

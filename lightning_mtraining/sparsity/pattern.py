@@ -265,11 +265,11 @@ class LayerPattern:
                seq_len: int) -> LayerPattern:
         """Decide, exactly (:func:`decide_dense_heads`), which heads of ``pattern`` run dense under ``dense_above``.
         One host sync when ``dense_above`` is set (the per-head pair counts), none otherwise."""
-        lengths = tuple(int(x) for x in lengths)
+        lens = tuple(int(x) for x in lengths)
         if dense_above is None:
-            return cls(pattern, pattern, None, None, None, lengths, seq_len, None)
-        allowed_d = _allowed_per_head(pattern, list(lengths))
-        dense_d = decide_dense_heads(allowed_d, _causal_on(lengths, allowed_d.device), dense_above)
+            return cls(pattern, pattern, None, None, None, lens, seq_len, None)
+        allowed_d = _allowed_per_head(pattern, list(lens))
+        dense_d = decide_dense_heads(allowed_d, _causal_on(lens, allowed_d.device), dense_above)
         G = allowed_d.shape[1]
         both = torch.cat([allowed_d, dense_d.to(torch.int64)], 1).cpu()  # the one host sync: it picks a code path
         allowed, dense = both[:, :G], both[:, G:].bool()
@@ -279,7 +279,7 @@ class LayerPattern:
             computed = with_dense_heads(pattern, dense_d, seq_len)  # the device mask: no copy back
         else:
             computed = pattern
-        return cls(pattern, computed, dense, allowed, _causal_pairs(lengths), lengths, seq_len, float(dense_above))
+        return cls(pattern, computed, dense, allowed, _causal_pairs(lens), lens, seq_len, float(dense_above))
 
     @property
     def all_dense(self) -> bool:

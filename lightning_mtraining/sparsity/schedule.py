@@ -163,7 +163,8 @@ class AttentionSchedule:
         every causal pair of their sequence. A :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` brings its
         decision and pair counts with it (``dense_above`` is then its own): they are not computed again."""
         self._measured_len = max(self._measured_len if self._stats else 0, *lengths, 0)
-        if isinstance(pattern, LayerPattern) and pattern.allowed is not None:
+        # decide() sets allowed, causal and dense together
+        if isinstance(pattern, LayerPattern) and pattern.allowed is not None and pattern.causal is not None:
             p = pattern.estimated.to("cpu")
             per_head, causal_rows, mask = pattern.allowed, pattern.causal, pattern.dense
         else:
@@ -180,7 +181,7 @@ class AttentionSchedule:
         if n_dense == per_head.numel() and n_dense > 0:  # the ring ran its dense op
             self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, **base)
             return
-        if n_dense:
+        if mask is not None and n_dense:
             p = with_dense_heads(p, mask, n_total)
         if cp_size > 1:
             work = ring_step_work(p, n_total, cp_size, layout, block_size, inner_size=inner_size).double()
@@ -197,12 +198,14 @@ class AttentionSchedule:
         over the mean rank's, 1.0 = balanced), ``attention/dense_heads`` (the share of pattern heads, over the sparse
         layers and batch rows, whose pattern allowed more than ``dense_above`` of the pairs and ran dense: they count
         as every causal pair in the density; a layer whose every head did ran the dense ring and has no imbalance),
-        ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before the first measurement or when no layer ran sparse."""
+        ``attention/recall`` when measured, and the same per layer (``attention/density/layer_3``, ...). Empty before
+        the first measurement or when no layer ran sparse."""
         stats = self._stats
         if not stats:
             return self._last
         out: dict[str, float] = {
-            "attention/density": sum(s.computed for s in stats.values()) / max(1, sum(s.causal for s in stats.values())),
+            "attention/density": (sum(s.computed for s in stats.values())
+                                  / max(1, sum(s.causal for s in stats.values()))),
             "attention/imbalance": _imbalance(stats),
             "attention/dense_heads": dense_head_share(stats),
         }

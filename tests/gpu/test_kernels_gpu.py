@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtraining_kernels.reference import (
+from mtraining_kernels.testing import (
     HALF_PRECISION_CASES,
     half_precision_case,
     kernel_config,
@@ -132,7 +132,8 @@ def test_gluon_forward_merges_a_running_result(D, case):
     # summed in float32 (relative noise ~1e-6 on values below ~20): 1e-3 absolute is a wide margin
     _needs_sm90()
     from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
-    from mtraining_kernels.reference import attention_ref, tile_lists_mask
+    from mtraining_kernels.reference import attention_ref
+    from mtraining_kernels.testing import tile_lists_mask
     from mtraining_kernels.vertical_slash import KernelConfig, block_forward
 
     torch.manual_seed(2)
@@ -183,7 +184,7 @@ def test_fp16_matches_fp32_reference(S, D, block, spec):
 
 
 def _check_half(S, D, block, config=None, dtype=torch.bfloat16, softcap=None, q_gain=1.0):
-    """One fwd+bwd held to the rule (:func:`mtraining_kernels.reference.half_precision_case`); with no ``config``
+    """One fwd+bwd held to the rule (:func:`mtraining_kernels.testing.half_precision_case`); with no ``config``
     and no ``softcap`` through the public ``sparse_attention``, else ``vertical_slash_attention``."""
     if config is not None or softcap is not None:
         return half_precision_case(S, D, block, config, dtype=dtype, softcap=softcap, q_gain=q_gain)
@@ -279,7 +280,7 @@ def test_triton_list_builder_matches_torch_builder(S, block):
 
 
 def test_dense_block_ops_striped_positions():
-    from mtraining_kernels.reference import attention_chunked_ref
+    from mtraining_kernels.testing import attention_chunked_ref
     from mtraining_kernels.vertical_slash import block_backward, block_forward
 
     torch.manual_seed(2)

@@ -4,7 +4,7 @@
   the Triton/Gluon kernels, in one process, with the real ring's step lists and merge order) against the float32
   reference on the unsharded tensors (``attention_chunked_ref`` over the pattern's mask ``vertical_slash_mask``,
   the definition of ``sparse_attention``): out, dq, dk, dv under the rule of ``tests/gpu/test_kernels_gpu.py``
-  (``mtraining_kernels.reference.check_half_precision``: error at most twice torch's own bfloat16 error against the
+  (``mtraining_kernels.testing.check_half_precision``: error at most twice torch's own bfloat16 error against the
   same reference, plus 1e-3).
   The ring adds W log-sum-exp merges of bfloat16 block outputs in float32, each a convex combination, so its
   error stays at the level of one bfloat16 rounding, inside the rule.
@@ -32,7 +32,7 @@ from lightning_mtraining.ring.simulated import SimulatedRing
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern
-from mtraining_kernels.reference import check_half_precision, random_pattern
+from mtraining_kernels.testing import check_half_precision, random_pattern
 
 pytestmark = pytest.mark.gpu
 

@@ -174,7 +174,7 @@ def test_offline_sm90_compile_fits_the_budget(kernel, head_dim, has_cols, has_pr
     # The compile runs in a subprocess: the offline target replaces Triton's driver for the whole process.
     code = (
         "import json, sys\n"
-        "from mtraining_kernels import gluon_tooling as g\n"
+        "from mtraining_kernels.testing import gluon as g\n"
         "g.install_offline_sm90_target()\n"
         f"print(json.dumps(g.compile_report({head_dim}, {has_cols}, {has_prev}, kernel={kernel!r})))\n"
     )

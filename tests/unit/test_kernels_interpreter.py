@@ -66,7 +66,8 @@ def _run_checks() -> dict[str, str]:
 
     shim_interpreter()
     from mtraining_kernels.indexing import COL_CHUNK, dense_tile_lists, expand_pattern, pattern_tile_lists
-    from mtraining_kernels.reference import attention_ref, tile_lists_mask, vertical_slash_mask
+    from mtraining_kernels.reference import attention_ref, vertical_slash_mask
+    from mtraining_kernels.testing import tile_lists_mask
     from mtraining_kernels.vertical_slash import KernelConfig, block_backward, block_forward
 
 

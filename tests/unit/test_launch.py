@@ -13,16 +13,16 @@ import sys
 import pytest
 import torch
 
-from mtraining_kernels.launch import Launcher, _arg_key, param_flags, record_launch_keys
+from mtraining_kernels.launch import Launcher, arg_key, param_flags, record_launch_keys
 
 _CHECK = r"""
 import json, torch
-from mtraining_kernels import gluon_tooling
+from mtraining_kernels.testing import gluon
 from mtraining_kernels.launch import param_flags, specialization_key
 from mtraining_kernels.triton_backward import _bwd_preprocess_kernel as fn
 from mtraining_kernels.triton_backward import _dkdv_cols_epilogue_kernel as epi
 
-gluon_tooling.install_offline_sm90_target()  # compile for sm_90 without a GPU (no launches)
+gluon.install_offline_sm90_target()  # compile for sm_90 without a GPU (no launches)
 buf = torch.zeros(4096, dtype=torch.bfloat16)
 f32 = torch.zeros(4096, dtype=torch.float32)
 
@@ -84,7 +84,7 @@ def test_equal_keys_mean_the_same_compiled_kernel():
 
 def test_key_features():
     t = torch.zeros(64, dtype=torch.bfloat16)
-    key = _arg_key  # the per-argument part of specialization_key (the rest needs a GPU driver for the device)
+    key = arg_key  # the per-argument part of specialization_key (the rest needs a GPU driver for the device)
     assert key(t) != key(t[1:])  # 16-byte alignment
     assert key(t) != key(t.half())  # dtype
     assert key(16) != key(17) and key(1) != key(33) and key(16) != key(2**31 + 16)  # %16, == 1, i32 / i64

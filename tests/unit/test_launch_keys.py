@@ -135,7 +135,7 @@ def _run_checks() -> dict[str, str]:
             assert k <= keys1[name], f"{name}: {len(k - keys1[name])} new launch key(s) after the first sequence"
 
     def bounded_widths_triton_builders():
-        from mtraining_kernels.reference import tile_lists_mask
+        from mtraining_kernels.testing import tile_lists_mask
 
         widths = [(1, 1), (40, 5), (150, 20), (0, 4), (70, 9)]
         pos = torch.arange(S)

@@ -14,6 +14,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -35,11 +36,18 @@ TORCH_ONLY = 5  # up to hf: no Lightning
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
+# what pyproject.toml installs: the import packages, and the folder of each top-level one (the kernels live in
+# kernels/ and are imported as mtraining_kernels)
+SETUPTOOLS = tomllib.loads(ROOT.joinpath("pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGE_DIRS = {"lightning_mtraining": "lightning_mtraining", **SETUPTOOLS["package-dir"]}
+
+
 def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    package = next(p for p, d in PACKAGE_DIRS.items() if d == folder)
+    if parts and parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join([package, *parts])
 
 
 def _layer(module: str) -> int:
@@ -48,7 +56,7 @@ def _layer(module: str) -> int:
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    files = [*ROOT.joinpath("lightning_mtraining").rglob("*.py"), *ROOT.joinpath("mtraining_kernels").rglob("*.py")]
+    files = [p for d in PACKAGE_DIRS.values() for p in ROOT.joinpath(d).rglob("*.py")]
     return {_module_name(p): p for p in files}
 
 
@@ -89,6 +97,15 @@ def _graph():
     return modules, edges, records
 
 
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages (discovery would install kernels/ as ``kernels``): every folder of the two
+    import packages that has an ``__init__.py`` is listed, and nothing else."""
+    found = {_module_name(p.parent / "__init__.py") for d in PACKAGE_DIRS.values()
+             for p in ROOT.joinpath(d).rglob("__init__.py")}
+    assert found == set(SETUPTOOLS["packages"]), (sorted(found - set(SETUPTOOLS["packages"])),
+                                                   sorted(set(SETUPTOOLS["packages"]) - found))
+
+
 def test_imports_point_down_the_layers():
     modules, edges, _ = _graph()
     upward = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
@@ -123,15 +140,31 @@ def test_no_import_cycle():
 
 
 # Modules of Triton / Gluon device functions shared by the kernel files of one family; device functions keep the
-# leading underscore Triton's own kernels use (``@triton.jit def _attn_fwd_inner``), so they are exempt.
+# leading underscore Triton's own kernels use (``@triton.jit def _attn_fwd_inner``), so they are exempt. Only the
+# device functions: the host helpers of the launchers are public (mtraining_kernels.host, or the family's module).
 JIT_HELPERS = ("mtraining_kernels.triton_common", "mtraining_kernels.gluon_common")
+
+
+def _jit_functions(path: pathlib.Path) -> set[str]:
+    """Names of the file's functions decorated with a ``jit`` (``@triton.jit``, ``@gluon.jit(...)``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for deco in node.decorator_list:
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                if isinstance(target, ast.Attribute) and target.attr == "jit":
+                    names.add(node.name)
+    return names
 
 
 def test_no_private_name_is_imported_across_modules():
     modules, _, records = _graph()
+    device = {m: _jit_functions(modules[m]) for m in JIT_HELPERS}
+    assert all(device.values()), device  # the exemption still names modules of jit functions
     bad = [f"{m}:{line} imports {n} from {t}" for m, t, names, line in records
-           if t.startswith(("lightning_mtraining", "mtraining_kernels")) and t in modules and t not in JIT_HELPERS
+           if t.startswith(("lightning_mtraining", "mtraining_kernels")) and t in modules
            for n in names if n.startswith("_") and not n.startswith("__")
+           and n not in device.get(t, ())
            and not (t == m and f"{t}.{n}" in modules)]  # a package importing its own private submodule
     assert not bad, "private names used across modules (give them a public name inside their layer):\n" + "\n".join(bad)
 
@@ -197,3 +230,34 @@ def test_names_exported_before_the_split_still_resolve_with_a_deprecation_warnin
         for name in lm.__all__:
             getattr(lm, name)
         assert lm.causal_lm_targets is lm.hf.causal_lm_targets
+
+
+def test_kernel_tooling_moved_to_testing_still_resolves_with_a_deprecation_warning():
+    """The tests' and benchmarks' tooling moved out of the runtime kernels into ``mtraining_kernels.testing``; the old
+    import paths keep working for code outside this repository, each with a ``DeprecationWarning`` naming the new one,
+    and give the same object. The runtime references stay and warn nothing."""
+    import importlib
+    import warnings
+
+    from mtraining_kernels import reference, testing
+
+    for name in ("check_half_precision", "HALF_PRECISION_CASES", "tile_lists_mask", "attention_chunked_ref"):
+        with pytest.warns(DeprecationWarning, match=rf"^mtraining_kernels\.reference\.{name} is deprecated: use "
+                                                    rf"mtraining_kernels\.testing\.{name}$"):
+            value = getattr(reference, name)
+        assert value is getattr(testing, name)
+    with pytest.warns(DeprecationWarning, match="check_half_precision"):
+        from mtraining_kernels.reference import check_half_precision
+    assert check_half_precision is testing.check_half_precision
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        reference.nothing  # noqa: B018
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reference.attention_ref and reference.vertical_slash_mask and reference.tile_rows_mask
+
+    pytest.importorskip("triton")
+    sys.modules.pop("mtraining_kernels.gluon_tooling", None)
+    with pytest.warns(DeprecationWarning, match=r"mtraining_kernels\.gluon_tooling is deprecated: use "
+                                                r"mtraining_kernels\.testing\.gluon"):
+        old = importlib.import_module("mtraining_kernels.gluon_tooling")
+    assert old.compile_report is importlib.import_module("mtraining_kernels.testing.gluon").compile_report

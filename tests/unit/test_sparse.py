@@ -13,7 +13,8 @@ import torch
 
 from lightning_mtraining.sparsity.attention import sparse_attention
 from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
-from mtraining_kernels.reference import attention_ref, tile_lists_mask, vertical_slash_mask
+from mtraining_kernels.reference import attention_ref, vertical_slash_mask
+from mtraining_kernels.testing import tile_lists_mask
 
 
 def _brute_mask(vi, si, S, BM, BN=None):

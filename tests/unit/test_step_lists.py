@@ -19,7 +19,8 @@ from mtraining_kernels.indexing import (
     prepare_pattern_tiles,
     step_tile_lists,
 )
-from mtraining_kernels.reference import tile_lists_mask, vertical_slash_mask
+from mtraining_kernels.reference import vertical_slash_mask
+from mtraining_kernels.testing import tile_lists_mask
 
 T = 16
 

@@ -24,7 +24,7 @@ from mtraining_kernels.indexing import (
     sorted_union,
     step_tile_lists,
 )
-from mtraining_kernels.reference import tile_lists_mask
+from mtraining_kernels.testing import tile_lists_mask
 
 
 def _patterns(B: int, H: int, S: int, seed: int, widths=((1, 1), (5, 2), (40, 3), (70, 9), (130, 17))):

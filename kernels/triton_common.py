@@ -1,5 +1,5 @@
-"""What the Triton vertical-slash kernels share: constants, the jit helpers both kernel files call, the launch-
-size heuristic, and the host-side argument helpers of their launchers.
+"""What the Triton vertical-slash kernels share on the device: constants, the arguments never specialised, and the jit
+helpers both kernel files call (their launchers' host-side helpers are in :mod:`mtraining_kernels.host`).
 
 The kernels are in :mod:`mtraining_kernels.triton_forward` and :mod:`mtraining_kernels.triton_backward`; the shape
 legend and which kernel runs are in :mod:`mtraining_kernels.vertical_slash`. Triton resolves the names a jit
@@ -9,13 +9,12 @@ kernels use (and a helper here finds its own helpers here).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
+from .host import LOG2E
+from .lists import COL_CHUNK
 
-LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E_C = tl.constexpr(LOG2E)
 POS_MAX = tl.constexpr(2**31 - 1)  # position of a key past the end: never visible
@@ -29,7 +28,7 @@ COL_WORDS = 16
 # has as many keys as the pattern has verticals), the number of column bit words, the lists (views of one buffer
 # per ring step, at offsets that depend on the list widths) and their strides (the list widths). They only address
 # scalar or short loads, which specialisation would not vectorise. A name a kernel does not take is ignored.
-_LIST_ARGS = [
+LIST_ARGS = [
     "Sk", "J", "FIdx", "FCnt", "FNm", "BIdx", "BCnt", "BNm", "ColIdx", "ColBits",
     "sfb", "sfh", "sfm", "scb", "sch", "scm", "snb", "snh", "snm", "sib", "sih", "sbb", "sbh", "sbm",
 ]
@@ -132,57 +131,3 @@ def _gather_cols(c_base, k_base, v_base, KPos, bits_row, j, J, offs_c, offs_d, s
     v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=sel[:, None], other=0.0)
     k_pos = tl.load(KPos + cols, mask=sel, other=POS_MAX)
     return k, v, k_pos
-
-
-# --------------------------------------------------------------------------------------------------------------
-# configs
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _num_warps(bm: int, bn: int, d: int) -> int:
-    # 8 warps: at 64x64 tiles and D=128, 4 warps spill (255 registers + 200-300 B stack per thread in the
-    # forward, dq and dk/dv kernels; cuobjdump --dump-resource-usage on an sm_90 build), 8 warps do not
-    # (except dq: 72 B).
-    return 8 if d >= 64 else 4
-
-
-# --------------------------------------------------------------------------------------------------------------
-# launcher arguments
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _cap2(softcap: float | None) -> float:
-    """The kernels' ``cap2`` argument: the soft-cap in log2 units (1.0, unused, without one)."""
-    if softcap is None:
-        return 1.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap must be a positive float (scores become softcap * tanh(s / softcap)), got {softcap!r}")
-    return float(softcap) * LOG2E
-
-
-def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
-    """Strides of the first ``nd`` dims, 0 where the dim has size 1 (lists broadcast over batch and heads)."""
-    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(nd)]
-
-
-def _list_args(tiles: TileLists, which: str):
-    idx, cnt, nm = (getattr(tiles, f"{which}_{n}") for n in ("idx", "cnt", "nmask"))
-    return (idx, cnt, nm), [*_bstrides(idx), *_bstrides(cnt), *_bstrides(nm)]
-
-
-def _col_args(tiles: TileLists, dummy: torch.Tensor):
-    if tiles.col_idx is None:
-        return (dummy, dummy), [0, 0, 0, 0, 0], 0
-    ci, cb = tiles.col_idx, tiles.col_bits
-    return (ci, cb), [*_bstrides(ci, 2), *_bstrides(cb)], cb.shape[-1]
-
-
-def _query_grid(bh: int, sq: int, bm: int, rows: int) -> tuple[int]:
-    """1-D grid of the forward / dq kernels: (query tiles * bm / rows) * (batch * heads); see ``_query_program``."""
-    return (triton.cdiv(sq, bm) * (bm // rows) * bh,)
-
-
-def _col_split(programs: int, mq: int, device: torch.device) -> int:
-    """Query-range parts per column chunk: about 8 programs per SM (CUDA), parts of >= 16 query tiles."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(triton.cdiv(8 * sms, max(programs, 1)), mq // 16))

@@ -56,7 +56,7 @@ import dataclasses
 
 import torch
 
-from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds, size_class
+from .lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds, size_class
 
 __all__ = [
     "COL_CHUNK", "PatternTiles", "TileLists", "check_tile_aligned", "computed_tile_offsets", "dense_tile_lists",
@@ -204,7 +204,7 @@ def pattern_tile_lists(
     if vertical_idx.device != slash_idx.device:
         raise ValueError(f"vertical_idx is on {vertical_idx.device} but slash_idx is on {slash_idx.device}")
     if use_triton:
-        from mtraining_kernels.list_builder import pattern_tile_lists_triton
+        from .list_builder import pattern_tile_lists_triton
 
         return pattern_tile_lists_triton(vertical_idx, slash_idx, seq_len, BM, BN, bounded)
     r, S = BM // BN, seq_len
@@ -379,7 +379,7 @@ def step_tile_lists(
     ``col_idx`` and ``col_bits``; the padding of the tile lists past the counts differs (0 in the Triton lists).
     """
     if _use_triton(backend, q_pos):
-        from mtraining_kernels.list_builder import step_tile_lists_triton
+        from .list_builder import step_tile_lists_triton
 
         return step_tile_lists_triton(pt, q_pos, k_pos, columns, tiles)
     T = pt.tile
@@ -428,7 +428,7 @@ def step_tile_lists_batched(
         raise ValueError(f"k_pos_steps must be [W, Sk] (the key positions of one step per row); got shape "
                          f"{tuple(k_pos_steps.shape)}: torch.stack the steps' key positions (equal lengths)")
     if _use_triton(backend, q_pos):
-        from mtraining_kernels.list_builder import step_tile_lists_batched_triton
+        from .list_builder import step_tile_lists_batched_triton
 
         return step_tile_lists_batched_triton(pt, q_pos, k_pos_steps, columns, tiles)
     return [step_tile_lists(pt, q_pos, k, columns, tiles, backend="torch") for k in k_pos_steps]

@@ -30,8 +30,8 @@ the very end) and masked by position (such tiles are in the masked part of the l
 
 The dq and dk/dv kernels built the same way: :mod:`mtraining_kernels.gluon_backward`; what they share with this
 one: :mod:`mtraining_kernels.gluon_common`. Chosen by ``KernelConfig(forward="auto" | "gluon")``
-(:mod:`mtraining_kernels.vertical_slash`); resources: :func:`mtraining_kernels.gluon_tooling.compile_report`
-(works offline, after :func:`mtraining_kernels.gluon_tooling.install_offline_sm90_target`).
+(:mod:`mtraining_kernels.vertical_slash`); resources: :func:`mtraining_kernels.testing.gluon.compile_report`
+(works offline, after :func:`mtraining_kernels.testing.gluon.install_offline_sm90_target`).
 """
 
 from __future__ import annotations
@@ -39,26 +39,25 @@ from __future__ import annotations
 import torch
 import triton
 
-from mtraining_kernels.gluon_common import (
-    _LIST_ARGS,
+from .gluon_common import (
     HAS_GLUON,
-    LOG2E,
+    LIST_ARGS,
     ROWS,
-    _bstrides,
-    _desc,
-    _key_side_args,
-    _launch_persistent,
-    _snake,
+    key_side_args,
+    launch_persistent,
+    snake_order,
+    tma_descriptor,
 )
-from mtraining_kernels.indexing import TileLists, dense_tile_lists
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E, batch_strides
+from .indexing import TileLists, dense_tile_lists
+from .launch import Launcher
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from mtraining_kernels.gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
+    from .gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
 
 __all__ = ["gluon_block_forward"]
 
@@ -187,7 +186,7 @@ if HAS_GLUON:
             t += 1
             cnt, nmask, ncs, q_pos = cnt_n, nmask_n, ncs_n, q_pos_n
 
-    @gluon.jit(do_not_specialize=_LIST_ARGS)
+    @gluon.jit(do_not_specialize=LIST_ARGS)
     def _gl_fwd_kernel(q_desc, k_desc, v_desc, ck_desc, cv_desc, Out, Lse, QPos, KPos, FIdx, FCnt, FNm, NCS, CPos,
                        ColBits, qk_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
                        sob, soh, sos, slb, slh, sls, sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
@@ -288,13 +287,13 @@ def gluon_block_forward(
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
-    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H, cache)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = key_side_args(k, v, k_pos, tiles, H, cache)
     fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
-    qd = _desc(q, ROWS, cache, "q")
+    qd = tma_descriptor(q, ROWS, cache, "q")
     args = (qd, kd, vd, ckd, cvd, out, lse, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E, Sq, Sk, H,
-            H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *_bstrides(fi), *_bstrides(fc),
-            *_bstrides(fn), *bstr)
+            H // Hkv, n_q, total, NCp, J, *out.stride()[:3], *lse.stride(), *batch_strides(fi), *batch_strides(fc),
+            *batch_strides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_PREV=has_prev, HAS_COLS=has_cols,
-                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=_snake(item_order))
-    kernel = _launch_persistent(_LAUNCH_FWD, q, total, programs, args, meta, warmup_only)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=snake_order(item_order))
+    kernel = launch_persistent(_LAUNCH_FWD, q, total, programs, args, meta, warmup_only)
     return kernel if warmup_only else (out, lse)

@@ -39,17 +39,17 @@ import math
 import torch
 import triton
 
-from mtraining_kernels.config import DEFAULT_CONFIG, KernelConfig
-from mtraining_kernels.indexing import COL_CHUNK, TileLists, dense_tile_lists
-from mtraining_kernels.triton_backward import (
+from .config import DEFAULT_CONFIG, KernelConfig
+from .host import column_split, softcap_log2
+from .indexing import COL_CHUNK, TileLists, dense_tile_lists
+from .triton_backward import (
     add_column_grads,
     bwd_preprocess,
     triton_block_dkdv,
     triton_block_dkdv_cols,
     triton_block_dq,
 )
-from mtraining_kernels.triton_common import _cap2, _col_split
-from mtraining_kernels.triton_forward import triton_block_forward
+from .triton_forward import triton_block_forward
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -114,7 +114,7 @@ def _use_gluon(choice: str, which: str, q: torch.Tensor, tiles: TileLists, extra
             raise ValueError(f"KernelConfig({which}='gluon') cannot run with softcap={softcap}: the Gluon kernels "
                              f"apply no soft-cap; use {which}='auto' (the Triton kernel) or 'triton'")
         return False
-    from mtraining_kernels.gluon_common import gluon_supported
+    from .gluon_common import gluon_supported
 
     if gluon_supported(q, tiles) and extra_ok:
         return True
@@ -164,7 +164,7 @@ def block_forward(
         raise ValueError(f"running out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
     prev_ok = not has_prev or (out.is_contiguous() and lse.dtype == torch.float32)
     if _use_gluon(cfg.forward, "forward", q, tiles, prev_ok, softcap):
-        from mtraining_kernels.gluon_forward import gluon_block_forward
+        from .gluon_forward import gluon_block_forward
 
         return gluon_block_forward(q, k, v, q_pos, k_pos, scale, tiles, out, lse, k_stages=cfg.k_stages,
                                    cache=cache, item_order=cfg.order_of("forward"))
@@ -214,36 +214,36 @@ def block_backward(
     gluon_dq = _use_gluon(cfg.dq, "dq", q, tiles, True, softcap)  # (an error for dq='gluon' here, before any launch)
     gluon_dkdv = _use_gluon(cfg.dkdv, "dkdv", q, tiles, True, softcap)
     gluon_cols = tiles.col_idx is not None and _use_gluon(cfg.dkdv_cols, "dkdv_cols", q, tiles, True, softcap)
-    _cap2(softcap)  # (an error for a bad softcap here, before any launch)
+    softcap_log2(softcap)  # (an error for a bad softcap here, before any launch)
     delta, lse2 = bwd_preprocess(out, dout, lse)
     has_cols = tiles.col_idx is not None
     dkv = torch.empty(2, B, Hkv, Sk, D, dtype=torch.float32 if has_cols else gdt, device=q.device)
     dk, dv = dkv[0], dkv[1]  # one buffer: the column epilogue reads and writes both in one launch
     if gluon_dq:
-        from mtraining_kernels.gluon_backward import gluon_block_dq
+        from .gluon_backward import gluon_block_dq
 
         dq = gluon_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dq_dtype=gdt,
                             k_stages=cfg.k_stages, cache=cache, item_order=cfg.order_of("dq"))
     else:
         dq = triton_block_dq(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, cfg, gdt, softcap)
     if gluon_dkdv:
-        from mtraining_kernels.gluon_backward import gluon_block_dkdv
+        from .gluon_backward import gluon_block_dkdv
 
         gluon_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, dk=dk, dv=dv, cache=cache,
                          item_order=cfg.order_of("dkdv"))
     else:
         triton_block_dkdv(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, cfg, dk, dv, softcap)
     J = tiles.col_bits.shape[-1] if has_cols else 0  # bit words (64-slot column chunks) per query tile
-    if J > 0:
+    if J > 0 and tiles.col_idx is not None:  # (J > 0: the lists have columns)
         NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, tiles.block_m)
         if gluon_cols:
-            from mtraining_kernels.gluon_backward import gluon_block_dkdv_cols
+            from .gluon_backward import gluon_block_dkdv_cols
 
-            P = min(cfg.col_split or _col_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
+            P = min(cfg.col_split or column_split(triton.cdiv(NC, 128) * B * H, Mq, q.device), Mq)
             dkvc = gluon_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, P, cache=cache,
                                          item_order=cfg.order_of("dkdv_cols"))
         else:
-            P = min(cfg.col_split or _col_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
+            P = min(cfg.col_split or column_split(triton.cdiv(NC, cfg.col_block) * B * H, Mq, q.device), Mq)
             dkvc = triton_block_dkdv_cols(q, k, v, dout, lse2, delta, q_pos, k_pos, scale, tiles, cfg, P, softcap)
         dkv = add_column_grads(dkv, dkvc, tiles.col_idx, gdt)
     if dkv.dtype != gdt:  # (lists with an empty column list)

@@ -21,24 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.config import KernelConfig
-from mtraining_kernels.indexing import TileLists
-from mtraining_kernels.launch import Launcher
-from mtraining_kernels.triton_common import (
-    _LIST_ARGS,
+from .config import KernelConfig
+from .host import LOG2E, column_args, default_num_warps, query_grid, softcap_log2, tile_list_args
+from .indexing import TileLists
+from .launch import Launcher
+from .triton_common import (
     CHUNK,
     COL_WORDS,
+    LIST_ARGS,
     LN2,
-    LOG2E,
     POS_MIN,
-    _cap2,
-    _col_args,
     _col_chunk_end,
     _gather_cols,
-    _list_args,
     _load_rows,
-    _num_warps,
-    _query_grid,
     _query_program,
     _scores,
     _tile_kv,
@@ -65,7 +60,7 @@ def _fwd_step(acc, m_i, l_i, q, k, v, allowed, qk_scale, cap2, MASKED: tl.conste
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=_LIST_ARGS)
+@triton.jit(do_not_specialize=LIST_ARGS)
 def _vs_fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
@@ -150,20 +145,24 @@ def triton_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     has_prev = out is not None
-    if not has_prev:
+    if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    elif lse is None:
+        raise ValueError("triton_block_forward: a running out= needs its lse=")
     BM, BN = tiles.block_m, tiles.block_n
-    (fi, fc, fn), fstr = _list_args(tiles, "fwd")
-    (ci, cb), cstr, J = _col_args(tiles, fc)
+    (fi, fc, fn), fstr = tile_list_args(tiles, "fwd")
+    (ci, cb), cstr, J = column_args(tiles, fc)
     rows = min(BM, cfg.q_rows or BM)
     sub_n = min(BN, cfg.sub_n)
     _LAUNCH_FWD(
-        _query_grid(B * H, Sq, BM, rows),
-        (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, _cap2(softcap), Sq, Sk, H, H // Hkv, J,
-         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *fstr, *cstr),
+        query_grid(B * H, Sq, BM, rows),
+        (q, k, v, out, lse, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, softcap_log2(softcap), Sq, Sk, H,
+         H // Hkv, J, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *fstr,
+         *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
              HAS_PREV=has_prev, BLOCK_J=COL_WORDS, ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-             SOFTCAP=softcap is not None, num_warps=cfg.fwd_warps or _num_warps(rows, BN, D), num_stages=cfg.fwd_stages),
+             SOFTCAP=softcap is not None, num_warps=cfg.fwd_warps or default_num_warps(rows, BN, D),
+             num_stages=cfg.fwd_stages),
     )
     return out, lse

@@ -4,10 +4,10 @@ scores (column sums) and the slash scores (diagonal sums) of ``A = softmax(scale
 Shape legend: B batch, H query heads, Hkv key/value heads (H = Hkv * HPG), G pattern heads (H or Hkv), S local
 keys, N global length, n probe rows (padded to NP >= 16 lanes), D head dim (padded to DP), BK keys per block.
 
-Why: the torch scorer (``lightning_mtraining.sparsity.estimation``) materialises ``[B, H, n, keys]`` scores chunk by chunk
-and runs ~15 full-size elementwise ops, a skew copy and a scatter on them, twice (normaliser, then scores); on an
-H200 at 128K tokens that took 10.9 ms per layer against 40 ms of sparse attention (27%, the goal is under 3%).
-Here every score is made by ``tl.dot`` in registers and reduced in registers; HBM sees K twice and the outputs.
+Why: the torch scorer (``lightning_mtraining.sparsity.estimation``) materialises ``[B, H, n, keys]`` scores chunk by
+chunk and runs ~15 full-size elementwise ops, a skew copy and a scatter on them, twice (normaliser, then scores); on an
+H200 at 128K tokens that took 10.9 ms per layer against 40 ms of sparse attention (27%, the goal is under 3%). Here
+every score is made by ``tl.dot`` in registers and reduced in registers; HBM sees K twice and the outputs.
 
 Requirements (the caller checks them and keeps the torch scorer otherwise):
 
@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E
+from .launch import Launcher
 
 __all__ = ["blocks_are_runs", "probe_lse", "probe_scores"]
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -5,7 +5,7 @@ warpgroups of 64 rows each), and their launchers: dq (:func:`gluon_block_dq`), t
 They compute the pairs of :func:`mtraining_kernels.vertical_slash.block_backward`, which chooses them
 (``KernelConfig(dq= / dkdv= / dkdv_cols="auto" | "gluon")``) and runs the preprocess (``lse2``, ``delta``) and the
 column epilogue in Triton (:mod:`mtraining_kernels.triton_backward`). Shared pieces:
-:mod:`mtraining_kernels.gluon_common`; resources: :func:`mtraining_kernels.gluon_tooling.compile_report`.
+:mod:`mtraining_kernels.gluon_common`; resources: :func:`mtraining_kernels.testing.gluon.compile_report`.
 """
 
 from __future__ import annotations
@@ -13,29 +13,28 @@ from __future__ import annotations
 import torch
 import triton
 
-from mtraining_kernels.gluon_common import (
-    _LIST_ARGS,
+from .gluon_common import (
     HAS_GLUON,
-    LOG2E,
+    LIST_ARGS,
     POS_MAX,
     POS_MIN,
     ROWS,
-    _bstrides,
-    _desc,
-    _key_side_args,
-    _launch_persistent,
-    _snake,
     gather_columns,
+    key_side_args,
+    launch_persistent,
+    snake_order,
+    tma_descriptor,
 )
-from mtraining_kernels.indexing import TileLists
-from mtraining_kernels.launch import Launcher
+from .host import LOG2E, batch_strides
+from .indexing import TileLists
+from .launch import Launcher
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from mtraining_kernels.gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
+    from .gluon_common import _apply_mask, _item, _item_meta, _n_items, _producer, _work_item
 
 __all__ = ["column_query_lists", "gluon_block_dkdv", "gluon_block_dkdv_cols", "gluon_block_dq"]
 
@@ -162,7 +161,7 @@ if HAS_GLUON:
             t += 1
             cnt, nmask, ncs, q_pos, lse2, delta = nxt
 
-    @gluon.jit(do_not_specialize=_LIST_ARGS)
+    @gluon.jit(do_not_specialize=LIST_ARGS)
     def _gl_dq_kernel(q_desc, do_desc, k_desc, v_desc, ck_desc, cv_desc, DQ, Lse2, Delta, QPos, KPos, FIdx, FCnt,
                       FNm, NCS, CPos, ColBits, qk_scale, sm_scale, Sq, Sk, H, GROUP, n_q, total, NCp, J,
                       sfb, sfh, sfm, scb, sch, scm, snb, snh, snm, sbb, sbh, sbm,
@@ -362,7 +361,7 @@ if HAS_GLUON:
             gl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=smask)
             t += 1
 
-    @gluon.jit(do_not_specialize=_LIST_ARGS)
+    @gluon.jit(do_not_specialize=LIST_ARGS)
     def _gl_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, QPos, KPos, Lse2, Delta, BIdx, BCnt, BNm,
                         qk_scale, sm_scale, Sq, Sk, H, HKV, GROUP, n_k, total,
                         sib, sih, sin, scb, sch, scn, snb, snh, snn, NPART, Bits, sbb, sbh, sbm, J, NC, GQ, HKVQ, BQ,
@@ -460,14 +459,15 @@ def gluon_block_dq(
     dq = torch.empty(B, H, Sq, D, dtype=dq_dtype, device=q.device)
     n_q = triton.cdiv(Sq, 128)
     total = n_q * B * H
-    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = _key_side_args(k, v, k_pos, tiles, H, cache)
+    kd, vd, ckd, cvd, cpos, steps, bits, NCp, J, bstr, has_cols = key_side_args(k, v, k_pos, tiles, H, cache)
     fi, fc, fn = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_nmask
-    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
+    qd, dod = tma_descriptor(q, ROWS, cache, "q"), tma_descriptor(dout, ROWS, cache, "dout")
     args = (qd, dod, kd, vd, ckd, cvd, dq, lse2, delta, q_pos, k_pos, fi, fc, fn, steps, cpos, bits, scale * LOG2E,
-            scale, Sq, Sk, H, H // Hkv, n_q, total, NCp, J, *_bstrides(fi), *_bstrides(fc), *_bstrides(fn), *bstr)
+            scale, Sq, Sk, H, H // Hkv, n_q, total, NCp, J, *batch_strides(fi), *batch_strides(fc),
+            *batch_strides(fn), *bstr)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, HAS_COLS=has_cols, QBUF=1 if D > 64 else 2,
-                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=_snake(item_order))
-    kernel = _launch_persistent(_LAUNCH_DQ, q, total, programs, args, meta, warmup_only)
+                CONSUMER_REGS=consumer_regs, K_STAGES=k_stages, SNAKE=snake_order(item_order))
+    kernel = launch_persistent(_LAUNCH_DQ, q, total, programs, args, meta, warmup_only)
     return kernel if warmup_only else dq
 
 
@@ -511,14 +511,15 @@ def gluon_block_dkdv(
     dv = torch.empty_like(dk) if dv is None else dv
     n_k = triton.cdiv(Sk, 128)
     total = n_k * B * Hkv
-    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
-    kd, vd = _desc(k, 64, cache, "k"), _desc(v, 64, cache, "v")
+    qd, dod = tma_descriptor(q, ROWS, cache, "q"), tma_descriptor(dout, ROWS, cache, "dout")
+    kd, vd = tma_descriptor(k, 64, cache, "k"), tma_descriptor(v, 64, cache, "v")
     bi, bc, bn = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_nmask
     args = (qd, dod, kd, vd, dk, dv, q_pos, k_pos, lse2, delta, bi, bc, bn, scale * LOG2E, scale, Sq, Sk, H, Hkv,
-            H // Hkv, n_k, total, *_bstrides(bi), *_bstrides(bc), *_bstrides(bn), 1, bc, 0, 0, 0, 0, 0, 1, 1, 1)
+            H // Hkv, n_k, total, *batch_strides(bi), *batch_strides(bc), *batch_strides(bn), 1, bc, 0, 0, 0, 0, 0, 1,
+            1, 1)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=False,
-                SNAKE=_snake(item_order))
-    kernel = _launch_persistent(_LAUNCH_DKDV, q, total, programs, args, meta, warmup_only)
+                SNAKE=snake_order(item_order))
+    kernel = launch_persistent(_LAUNCH_DKDV, q, total, programs, args, meta, warmup_only)
     return kernel if warmup_only else (dk, dv)
 
 
@@ -527,6 +528,8 @@ def column_query_lists(tiles: TileLists, n_pairs: int) -> tuple[torch.Tensor, to
     64-slot word, ascending: (lists [B', H', n_pairs, Mq] int32, valid entries first; counts [B', H', n_pairs]
     int32). A few torch ops on the bit words (about eight launches), no host sync."""
     bits = tiles.col_bits
+    if bits is None:
+        raise ValueError("column_query_lists: the lists have no gathered columns")
     J = bits.shape[-1]
     nz = bits != 0
     if 2 * n_pairs > J:
@@ -567,7 +570,8 @@ def gluon_block_dkdv_cols(
     ``_dkdv_cols_epilogue_kernel`` (deterministic: one writer per element)."""
     q, k, v, dout, lse2, delta, q_pos, k_pos = _backward_inputs("dk/dv columns", q, k, v, dout, lse2, delta, q_pos,
                                                                 k_pos, tiles)
-    if tiles.col_idx is None or tiles.col_bits.shape[-1] == 0:
+    col_bits = tiles.col_bits
+    if tiles.col_idx is None or col_bits is None or col_bits.shape[-1] == 0:
         raise ValueError("gluon dk/dv columns: the lists have no gathered columns")
     B, H, Sq, D = q.shape
     Hkv = k.shape[1]
@@ -579,16 +583,16 @@ def gluon_block_dkdv_cols(
     NCp = kc.shape[2]
     n_pairs = NCp // 128
     lists, counts = column_query_lists(tiles, n_pairs)
-    bits = tiles.col_bits if tiles.col_bits.stride(-1) == 1 else tiles.col_bits.contiguous()
+    bits = col_bits if col_bits.stride(-1) == 1 else col_bits.contiguous()
     parts = max(1, int(parts))
     dkvc = torch.empty(parts, H // Hkv, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
     total = n_pairs * B * H * parts
-    qd, dod = _desc(q, ROWS, cache, "q"), _desc(dout, ROWS, cache, "dout")
-    kd, vd = _desc(kc, 64, cache, "kc"), _desc(vc, 64, cache, "vc")
+    qd, dod = tma_descriptor(q, ROWS, cache, "q"), tma_descriptor(dout, ROWS, cache, "dout")
+    kd, vd = tma_descriptor(kc, 64, cache, "kc"), tma_descriptor(vc, 64, cache, "vc")
     args = (qd, dod, kd, vd, dkvc, dkvc, q_pos, cpos, lse2, delta, lists, counts, counts, scale * LOG2E, scale, Sq,
-            NCp, H, H, 1, n_pairs, total, *_bstrides(lists), *_bstrides(counts), *_bstrides(counts), parts, bits,
-            *_bstrides(bits), bits.shape[-1], NC, H // Hkv, Hkv, B)
+            NCp, H, H, 1, n_pairs, total, *batch_strides(lists), *batch_strides(counts), *batch_strides(counts), parts,
+            bits, *batch_strides(bits), bits.shape[-1], NC, H // Hkv, Hkv, B)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=consumer_regs, COLS=True,
-                SNAKE=_snake(item_order))
-    kernel = _launch_persistent(_LAUNCH_DKDV, q, total, programs, args, meta, warmup_only)
+                SNAKE=snake_order(item_order))
+    kernel = launch_persistent(_LAUNCH_DKDV, q, total, programs, args, meta, warmup_only)
     return kernel if warmup_only else dkvc

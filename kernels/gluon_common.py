@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
-from mtraining_kernels.launch import Launcher
+from .host import batch_strides
+from .indexing import COL_CHUNK, TileLists
+from .launch import Launcher
 
 try:  # Gluon is in Triton >= 3.4
     from triton.experimental import gluon
@@ -31,9 +32,11 @@ try:  # Gluon is in Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "gather_columns", "gluon_supported"]
+__all__ = [
+    "HAS_GLUON", "LIST_ARGS", "gather_columns", "gluon_supported", "key_side_args", "launch_persistent", "snake_order",
+    "tma_descriptor",
+]
 
-LOG2E = 1.4426950408889634
 ROWS = 64  # query rows per consumer warpgroup
 NUM_WARPS_DEFAULT = 4  # the default partition is the producer (a warpgroup: Gluon needs multiples of 4 warps)
 POS_MAX = gl.constexpr(2**31 - 1) if HAS_GLUON else None  # a key past the end: never visible
@@ -45,7 +48,7 @@ POS_MAX_INT = 2**31 - 1
 # ``total`` items of ``NPART`` parts), column counts and bit words, the lists (and their placeholders, views at
 # offsets that depend on the list widths) and their strides. They only address scalar loads and one-element-per-thread
 # rows. A name a kernel does not take is ignored.
-_LIST_ARGS = [
+LIST_ARGS = [
     "Sk", "J", "NC", "NCp", "n_k", "total", "NPART", "FIdx", "FCnt", "FNm", "NCS", "CPos", "ColBits", "BIdx", "BCnt",
     "BNm", "Bits", "CI", "sfb", "sfh", "sfm", "scb", "sch", "scm", "scn", "snb", "snh", "snm", "snn", "sib", "sih",
     "sin", "sbb", "sbh", "sbm",
@@ -190,10 +193,6 @@ if HAS_GLUON:
         return cnt, nmask, ncs, q_pos
 
 
-def _bstrides(t: torch.Tensor, nd: int = 3) -> list[int]:
-    return [t.stride(i) if t.shape[i] > 1 else 0 for i in range(nd)]
-
-
 def gluon_supported(q: torch.Tensor, tiles: TileLists | None = None) -> bool:
     """Whether the Gluon kernels can run these inputs (Gluon present, a CUDA sm_90 device, bf16/fp16, head dim 64
     or 128, 128 x 128 tiles)."""
@@ -219,7 +218,7 @@ if HAS_GLUON:
         raise ImportError(f"mtraining_kernels.gluon_common: TensorDescriptor needs fields {sorted(_missing)}")
 
 
-def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | None = None):
+def tma_descriptor(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | None = None):
     """A host TMA descriptor of the contiguous ``t`` seen as ``[-1, D]`` rows, loaded ``rows`` at a time.
 
     Built without the dataclass's ``__post_init__`` checks (microseconds of host time per descriptor, about 15 per
@@ -244,7 +243,7 @@ def _desc(t: torch.Tensor, rows: int, cache: dict | None = None, name: str | Non
     return desc
 
 
-@triton.jit(do_not_specialize=_LIST_ARGS)
+@triton.jit(do_not_specialize=LIST_ARGS)
 def _gather_columns_kernel(K, V, KPos, CI, Bits, KC, VC, CPos, Steps, H, G, NC, NCp, Mq, J,
                            skb, skh, sks, svb, svh, svs, sib, sih, sin, sbb, sbh, sbm,
                            HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -297,10 +296,11 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     torch ops, the reference the kernel is tested against. Those ops' host time would show in short calls, hence
     the kernel."""
     B, Hkv, _, D = k.shape
-    ci = tiles.col_idx
+    ci, bits = tiles.col_idx, tiles.col_bits
+    if ci is None or bits is None:
+        raise ValueError("gather_columns: the lists have no gathered columns")
     NC = ci.shape[-1]
     NCp = -(-NC // block) * block
-    bits = tiles.col_bits
     J, Mq = bits.shape[-1], bits.shape[-2]
     if use_kernel is None:
         use_kernel = k.is_cuda
@@ -316,7 +316,7 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
         BLOCK_C, BLOCK_R = 32, 32
         grid = (triton.cdiv(NCp, BLOCK_C) + triton.cdiv(Mq, BLOCK_R), B * H)
         _LAUNCH_GATHER(grid, (k, v, k_pos, ci, bits, kc, vc, cpos, steps, H, H // Hkv, NC, NCp, Mq, J,
-                              *_bstrides(k), *_bstrides(v), *_bstrides(ci), *_bstrides(bits)),
+                              *batch_strides(k), *batch_strides(v), *batch_strides(ci), *batch_strides(bits)),
                        dict(HEAD_DIM=D, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R, BLOCK_J=_GATHER_WORDS,
                             WORDS_PER_STEP=block // COL_CHUNK, num_warps=4))
         return kc, vc, cpos, steps
@@ -341,7 +341,7 @@ def _num_sms(q: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
 
 
-def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
+def key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles: TileLists, H: int,
                    cache: dict | None = None):
     """What the forward and dq kernels take for the key side: K/V descriptors, and the gathered columns
     (descriptors, positions, steps per query tile, bit words, padded count NCp, words J, bit strides; placeholders
@@ -350,24 +350,24 @@ def _key_side_args(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tiles:
     NCp * D elements, e.g. 9.4 MB per layer at 128K with ~1100 columns and 16 heads)."""
     if cache is not None and "key_side" in cache:
         return cache["key_side"]
-    kd, vd = _desc(k, 128, cache, "k"), _desc(v, 128, cache, "v")
-    has_cols = tiles.col_idx is not None and tiles.col_bits.shape[-1] > 0
-    if not has_cols:
+    kd, vd = tma_descriptor(k, 128, cache, "k"), tma_descriptor(v, 128, cache, "v")
+    bits = tiles.col_bits
+    res: tuple
+    if tiles.col_idx is None or bits is None or bits.shape[-1] == 0:  # no gathered columns
         fc = tiles.fwd_cnt
         res = kd, vd, kd, vd, fc, fc, fc, 0, 0, [0, 0, 0], False
     else:
         kc, vc, cpos, steps = gather_columns(k, v, k_pos, tiles, H)
         if cache is not None:
             cache["cols"] = (kc, vc, cpos)  # for the column dk/dv kernel of the backward
-        bits = tiles.col_bits
-        res = (kd, vd, _desc(kc, 128), _desc(vc, 128), cpos, steps, bits, kc.shape[2], bits.shape[-1],
-               _bstrides(bits), True)
+        res = (kd, vd, tma_descriptor(kc, 128), tma_descriptor(vc, 128), cpos, steps, bits, kc.shape[2],
+               bits.shape[-1], batch_strides(bits), True)
     if cache is not None:
         cache["key_side"] = res
     return res
 
 
-def _snake(item_order: str) -> bool:
+def snake_order(item_order: str) -> bool:
     """``item_order`` of the persistent kernels: "snake" (every other wave of work items walked backwards: the
     default of :func:`mtraining_kernels.gluon_backward.gluon_block_dkdv`) or "strided" (program p runs items p,
     p + P, p + 2P, ...: the default of the others). These defaults are ``KernelConfig(item_order="auto")``'s
@@ -378,7 +378,7 @@ def _snake(item_order: str) -> bool:
     return item_order == "snake"
 
 
-def _launch_persistent(launch: Launcher, q: torch.Tensor, total: int, programs: int | None, args: tuple, meta: dict,
+def launch_persistent(launch: Launcher, q: torch.Tensor, total: int, programs: int | None, args: tuple, meta: dict,
                        warmup_only: bool):
     """Launch a persistent kernel on ``programs`` programs (default: one per SM), at most one per work item
     (``total``); with ``warmup_only``, compile it without launching and return the compiled kernel (else None)."""

@@ -27,27 +27,29 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.config import KernelConfig
-from mtraining_kernels.indexing import COL_CHUNK, TileLists
-from mtraining_kernels.launch import Launcher
-from mtraining_kernels.triton_common import (
-    _LIST_ARGS,
+from .config import KernelConfig
+from .host import (
+    LOG2E,
+    batch_strides,
+    column_args,
+    default_num_warps,
+    query_grid,
+    softcap_log2,
+    tile_list_args,
+)
+from .indexing import COL_CHUNK, TileLists
+from .launch import Launcher
+from .triton_common import (
     CHUNK,
     COL_WORDS,
-    LOG2E,
+    LIST_ARGS,
     LOG2E_C,
     POS_MAX,
     POS_MIN,
-    _bstrides,
-    _cap2,
-    _col_args,
     _col_chunk_end,
     _col_sel,
     _gather_cols,
-    _list_args,
     _load_rows,
-    _num_warps,
-    _query_grid,
     _query_program,
     _scores,
     _tile_kv,
@@ -155,7 +157,7 @@ def _bwd_preprocess_kernel(
              mask=ok)
 
 
-@triton.jit(do_not_specialize=_LIST_ARGS)
+@triton.jit(do_not_specialize=LIST_ARGS)
 def _vs_bwd_dq_kernel(
     Q, K, V, DO, Lse2, Delta, DQ, QPos, KPos,
     FIdx, FCnt, FNm, ColIdx, ColBits,
@@ -210,7 +212,7 @@ def _vs_bwd_dq_kernel(
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=_LIST_ARGS)
+@triton.jit(do_not_specialize=LIST_ARGS)
 def _vs_bwd_dkdv_kernel(
     Q, K, V, DO, Lse2, Delta, DK, DV, QPos, KPos,
     BIdx, BCnt, BNm,
@@ -256,7 +258,7 @@ def _vs_bwd_dkdv_kernel(
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < Sk)
 
 
-@triton.jit(do_not_specialize=_LIST_ARGS + ["Mq", "NC", "P"])
+@triton.jit(do_not_specialize=LIST_ARGS + ["Mq", "NC", "P"])
 def _vs_bwd_dkdv_cols_kernel(
     Q, K, V, DO, Lse2, Delta, DKC, DVC, QPos, KPos,
     ColIdx, ColBits,
@@ -412,16 +414,16 @@ def triton_block_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     BM, BN = tiles.block_m, tiles.block_n
     sub_n = min(BN, cfg.sub_n)
     rows = min(BM, cfg.q_rows or BM)
-    (fi, fc, fn), fstr = _list_args(tiles, "fwd")
-    (ci, cb), cstr, J = _col_args(tiles, fc)
+    (fi, fc, fn), fstr = tile_list_args(tiles, "fwd")
+    (ci, cb), cstr, J = column_args(tiles, fc)
     dq = torch.empty(B, H, Sq, D, dtype=grad_dtype, device=q.device)
     _LAUNCH_DQ(
-        _query_grid(B * H, Sq, BM, rows),
-        (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, _cap2(softcap), scale, Sq,
-         Sk, H, H // Hkv, J, *_bwd_strides(q, k, v, dout), *fstr, *cstr),
+        query_grid(B * H, Sq, BM, rows),
+        (q, k, v, dout, lse2, delta, dq, q_pos, k_pos, fi, fc, fn, ci, cb, scale * LOG2E, softcap_log2(softcap), scale,
+         Sq, Sk, H, H // Hkv, J, *_bwd_strides(q, k, v, dout), *fstr, *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_C=cfg.col_step, SUB_N=sub_n, HAS_COLS=J > 0,
              BLOCK_J=COL_WORDS, ROWS=rows, HEAVY_FIRST=cfg.heavy_first,
-             SOFTCAP=softcap is not None, num_warps=cfg.dq_warps or cfg.bwd_warps or _num_warps(rows, sub_n, D),
+             SOFTCAP=softcap is not None, num_warps=cfg.dq_warps or cfg.bwd_warps or default_num_warps(rows, sub_n, D),
              num_stages=cfg.bwd_stages),
     )
     return dq
@@ -436,13 +438,13 @@ def triton_block_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     Hkv, Sk = k.shape[1], k.shape[2]
     BM, BN = tiles.block_m, tiles.block_n
     sub_m = min(BM, cfg.sub_m)
-    (bi, bc, bn), bstr = _list_args(tiles, "bwd")
+    (bi, bc, bn), bstr = tile_list_args(tiles, "bwd")
     _LAUNCH_DKDV(
         (triton.cdiv(Sk, BN), B * Hkv),
-        (q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn, scale * LOG2E, _cap2(softcap), scale, Sq, Sk,
-         H, Hkv, H // Hkv, *_bwd_strides(q, k, v, dout), *bstr),
+        (q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, bi, bc, bn, scale * LOG2E, softcap_log2(softcap), scale,
+         Sq, Sk, H, Hkv, H // Hkv, *_bwd_strides(q, k, v, dout), *bstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, SUB_M=sub_m, SOFTCAP=softcap is not None,
-             num_warps=cfg.bwd_warps or _num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages),
+             num_warps=cfg.bwd_warps or default_num_warps(sub_m, BN, D), num_stages=cfg.bwd_stages),
     )
 
 
@@ -456,16 +458,16 @@ def triton_block_dkdv_cols(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     BM = tiles.block_m
-    (ci, cb), cstr, J = _col_args(tiles, tiles.fwd_cnt)
+    (ci, cb), cstr, J = column_args(tiles, tiles.fwd_cnt)
     NC, Mq = J * COL_CHUNK, triton.cdiv(Sq, BM)
     col_sub_m = min(BM, cfg.col_sub_m or cfg.sub_m)
     dkvc = torch.empty(parts, H // Hkv, 2, B, Hkv, NC, D, dtype=torch.float32, device=q.device)
     _LAUNCH_COLS(
         (triton.cdiv(NC, cfg.col_block), B * H, parts),
         (q, k, v, dout, lse2, delta, dkvc[:, :, 0], dkvc[:, :, 1], q_pos, k_pos, ci, cb, scale * LOG2E,
-         _cap2(softcap), scale, Sq, Sk, H, H // Hkv, Mq, NC, parts, B * H, *_bwd_strides(q, k, v, dout), *cstr),
+         softcap_log2(softcap), scale, Sq, Sk, H, H // Hkv, Mq, NC, parts, B * H, *_bwd_strides(q, k, v, dout), *cstr),
         dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_C=cfg.col_block, SUB_M=col_sub_m, SOFTCAP=softcap is not None,
-             num_warps=cfg.bwd_warps or _num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
+             num_warps=cfg.bwd_warps or default_num_warps(col_sub_m, COL_CHUNK, D), num_stages=cfg.bwd_stages),
     )
     return dkvc
 
@@ -483,6 +485,6 @@ def add_column_grads(dkv: torch.Tensor, dkvc: torch.Tensor, col_idx: torch.Tenso
     part = dkvc.sum(0) if P > 1 else dkvc[0]  # [G, 2, B, Hkv, NC, D]
     res = dkv if grad_dtype == torch.float32 else torch.empty(2, B, Hkv, Sk, D, dtype=grad_dtype, device=dkv.device)
     _LAUNCH_EPI((triton.cdiv(Sk, 32), B * Hkv),
-                (dkv, part, res, col_idx, Sk, NC, G, B, Hkv, *_bstrides(col_idx, 2)),
+                (dkv, part, res, col_idx, Sk, NC, G, B, Hkv, *batch_strides(col_idx, 2)),
                 dict(HEAD_DIM=D, BLOCK_K=32, BLOCK_S=256, CH=32, CAST=res is not dkv, num_warps=4))
     return res

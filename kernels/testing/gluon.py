@@ -7,11 +7,13 @@ wgmma instructions (:func:`wgmma_serialization_note`). Used by ``tests/unit/test
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
-from mtraining_kernels.gluon_backward import gluon_block_dkdv, gluon_block_dkdv_cols, gluon_block_dq
-from mtraining_kernels.gluon_forward import gluon_block_forward
+from ..gluon_backward import gluon_block_dkdv, gluon_block_dkdv_cols, gluon_block_dq
+from ..gluon_forward import gluon_block_forward
 
 __all__ = ["compile_report", "install_offline_sm90_target", "wgmma_serialization_note"]
 
@@ -55,7 +57,7 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
     import subprocess
     import tempfile
 
-    from mtraining_kernels.indexing import expand_pattern, pattern_tile_lists
+    from ..indexing import expand_pattern, pattern_tile_lists
 
     S, H, Hkv = 1000, 4, 2
     dt = torch.bfloat16
@@ -69,7 +71,7 @@ def compile_report(head_dim: int = 128, has_cols: bool = True, has_prev: bool = 
         import dataclasses
 
         tiles = dataclasses.replace(tiles, col_idx=None, col_bits=None)
-    kw = dict(out=torch.zeros_like(q), lse=torch.zeros(1, H, S)) if has_prev else {}
+    kw: dict[str, Any] = dict(out=torch.zeros_like(q), lse=torch.zeros(1, H, S)) if has_prev else {}
     if kernel == "dq":
         rows = torch.zeros(1, H, S)
         ker = gluon_block_dq(q, k, k, q, rows, rows, pos, pos, 0.1, tiles, warmup_only=True)

@@ -52,8 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtraining_kernels.launch import Launcher
-from mtraining_kernels.lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds
+from .launch import Launcher
+from .lists import COL_CHUNK, PatternTiles, TileLists, list_width_bounds
 
 __all__ = ["pattern_tile_lists_triton", "step_tile_lists_batched_triton", "step_tile_lists_triton"]
 

@@ -40,7 +40,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-__all__ = ["Launcher", "param_flags", "record_launch_keys", "specialization_key"]
+__all__ = ["Launcher", "arg_key", "param_flags", "record_launch_keys", "specialization_key"]
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
@@ -49,7 +49,7 @@ _I64 = (-(2**63), 2**63)
 _RECORDERS: list[dict[str, set]] = []
 
 
-def _arg_key(a: Any, specialize: bool = True, align: bool = True):
+def arg_key(a: Any, specialize: bool = True, align: bool = True):
     """The specialisation-relevant features of one argument; ``specialize`` / ``align`` False for a parameter listed
     in the kernel's ``do_not_specialize`` / ``do_not_specialize_on_alignment``."""
     if isinstance(a, torch.Tensor):
@@ -88,9 +88,9 @@ def specialization_key(args, meta: dict, flags: tuple[tuple[bool, bool], ...] | 
     :func:`param_flags`; None: every argument specialised), the constexprs and options by value, the device (None:
     the current one) and the JIT knobs that change what it compiles."""
     if flags is None:
-        arg_keys = tuple(_arg_key(a) for a in args)
+        arg_keys = tuple(arg_key(a) for a in args)
     else:
-        arg_keys = tuple(_arg_key(a, s, al) for a, (s, al) in zip(args, flags))
+        arg_keys = tuple(arg_key(a, s, al) for a, (s, al) in zip(args, flags))
     dev = driver.active.get_current_device() if device is None else device
     return (arg_keys, tuple(meta.items()), dev, bool(knobs.runtime.debug),
             getattr(knobs.compilation, "instrumentation_mode", None))
