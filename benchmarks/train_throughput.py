@@ -431,7 +431,8 @@ def main() -> None:
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="compile every decoder layer (fullgraph); both: each variant eager, then compiled")
     ap.add_argument("--count-syncs", action="store_true",
-                    help="one more step with torch.cuda.set_sync_debug_mode('warn'): host syncs per step (syncs_per_step)")
+                    help="one more step with torch.cuda.set_sync_debug_mode('warn'): host syncs per step "
+                         "(syncs_per_step) and where they happen (sync_sites)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, a 2-layer toy model, 256 and 512 tokens")
     ap.add_argument("--pretrained", default="", help="a pretrained model instead of the Qwen2.5-3B shape: a checkpoint "
                     "folder, a .gguf file, a hub id, or 'smollm2' (real text windows in its tokens)")
