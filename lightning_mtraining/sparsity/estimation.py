@@ -232,6 +232,20 @@ class _Probe:
         self.block = _triton_block(q, self.n, self.n_total, cp_rank, cp_size, layout, block_size) if plain else 0
         self.lse = self._global_lse()  # [B, H, r]
 
+    @property
+    def folds(self) -> bool:
+        """One batch row and several blocks: the Triton scorer takes the blocks as a batch of ``blocks`` rows in one
+        launch, K broadcast to them with a zero batch stride (no copy)."""
+        return self.B == 1 and self.blocks > 1
+
+    def folded(self, t: torch.Tensor) -> torch.Tensor:
+        """``[1, H, r, *]`` -> ``[blocks, H, n, *]`` (one batch row per probe block)."""
+        return t.view(t.shape[1], self.blocks, self.n, *t.shape[3:]).transpose(0, 1).contiguous()
+
+    def unfold(self, t: torch.Tensor) -> torch.Tensor:
+        """``[blocks, H, n]`` -> ``[1, H, r]``."""
+        return t.transpose(0, 1).reshape(1, t.shape[1], self.r)
+
     def block_rows(self, t: torch.Tensor, p: int) -> torch.Tensor:
         """Probe block ``p``'s rows of ``t [..., r, *]`` (dim 2 for ``[B, H, r, D]``, else the last)."""
         sl = slice(p * self.n, (p + 1) * self.n)
@@ -271,12 +285,17 @@ class _Probe:
             yield sl, kpos, visible, s.masked_fill(~visible, float("-inf"))
 
     def _global_lse(self) -> torch.Tensor:
-        if self.block:  # one launch per probe block (the kernel's rows are one run of consecutive positions)
+        if self.block:  # the kernel's rows are one run of consecutive positions: the blocks as a batch, or apart
             from mtraining_kernels.probe_scores import probe_lse
 
-            lse = torch.cat([probe_lse(self.block_rows(self.q_in, p), self.k, self.pos,
-                                       self.block_rows(self.rows_pos, p), self.scale, self.block)
-                             for p in range(self.blocks)], dim=-1)
+            if self.folds:
+                q, rows = self.folded(self.q_in), self.rows_pos.view(self.blocks, self.n)
+                lse = self.unfold(probe_lse(q, self.k.expand(self.blocks, -1, -1, -1), self.pos, rows, self.scale,
+                                            self.block))
+            else:
+                lse = torch.cat([probe_lse(self.block_rows(self.q_in, p), self.k, self.pos,
+                                           self.block_rows(self.rows_pos, p), self.scale, self.block)
+                                 for p in range(self.blocks)], dim=-1)
         else:
             lse = torch.full((self.B, self.H, self.r), float("-inf"), dtype=self.cdt, device=self.q_rows.device)
             for _, _, _, s in self.chunks():
@@ -643,10 +662,16 @@ def estimate_pattern(
 
 
 def _triton_scores(probe: _Probe, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton scorer, one launch pair per probe block (its rows must be one run), the blocks' sums added in
-    block order."""
+    """The Triton scorer: its rows must be one run of positions, so several probe blocks go as a batch (one batch
+    row) or one launch pair per block; the blocks' sums are added in block order."""
     from mtraining_kernels.probe_scores import probe_scores
 
+    if probe.folds:  # the blocks' sums land in batch rows, added in block order
+        lse = probe.folded(probe.lse[..., None])[..., 0]  # [blocks, H, n]
+        vert, slash = probe_scores(probe.folded(probe.q_in), probe.k.expand(probe.blocks, -1, -1, -1), probe.pos,
+                                   probe.rows_pos.view(probe.blocks, probe.n), lse, probe.scale, G != probe.H,
+                                   probe.n_total, probe.block)
+        return vert.sum(0, keepdim=True), slash.sum(0, keepdim=True)
     vert = slash = None
     for p in range(probe.blocks):
         v, s = probe_scores(probe.block_rows(probe.q_in, p), probe.k, probe.pos, probe.block_rows(probe.rows_pos, p),
