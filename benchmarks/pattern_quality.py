@@ -436,7 +436,8 @@ def load_accuracy_bench():
 
 def pretrained_configs(args) -> dict[str, SparsityConfig]:
     """The paper's setting (top-p 0.9, at most 4096 verticals and slashes) at tile 128 (the GPU kernels' tile) and
-    64 (finer: at 4-8K a 128-tile sequence has only 32-64 tile diagonals), then the fixed ``--budgets``; each with
+    64 (finer: at 4-8K a 128-tile sequence has only 32-64 tile diagonals), then the fixed ``--budgets`` and the
+    ``--topp-budgets``; each with
     every ``--probes`` placement (``last``: the paper's probes, no suffix; else ``_documents`` / ``_spread``), only
     the ``--configs`` named (default: all)."""
     if len(args.budgets) % 3:
@@ -445,6 +446,10 @@ def pretrained_configs(args) -> dict[str, SparsityConfig]:
             "paper_t64": dict(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=64)}
     for v, sl, t in zip(args.budgets[::3], args.budgets[1::3], args.budgets[2::3]):
         base[f"topk{v}_{sl}_t{t}"] = dict(vertical_topk=v, slash_topk=sl, tile_size=t)
+    if len(args.topp_budgets) % 2:
+        raise SystemExit(f"--topp-budgets takes pairs P T (share, tile); got {args.topp_budgets}")
+    for top_p, t in zip(args.topp_budgets[::2], args.topp_budgets[1::2]):
+        base[f"topp{top_p:g}_t{int(t)}"] = dict(top_p=top_p, max_vertical=4096, max_slash=4096, tile_size=int(t))
     unknown = sorted(set(args.configs or ()) - set(base))
     if unknown:
         raise SystemExit(f"--configs {unknown}: not among {sorted(base)}")
@@ -454,7 +459,8 @@ def pretrained_configs(args) -> dict[str, SparsityConfig]:
             continue
         for probes in args.probes:
             suffix = "" if probes == "last" else f"_{probes}"
-            out[name + suffix] = SparsityConfig(**fields, probes=probes, probe_blocks=args.probe_blocks)
+            out[name + suffix] = SparsityConfig(**fields, probes=probes, probe_blocks=args.probe_blocks,
+                                                last_q=args.last_q)
     return out
 
 
@@ -625,6 +631,8 @@ def main_pretrained(args) -> dict:
     tokens = acc.Tokens(tokenizer)
     _, held_bytes = acc.corpus_documents(args.max_files)
     held = tokens.documents(held_bytes)
+    if args.max_doc_tokens is not None:  # short files only: more documents per window
+        held = [d for d in held if d.numel() <= args.max_doc_tokens]
     longest = max(args.seqlens)
     window = next(acc.windows(held, longest, seed=12345, eos=tokens.eos))[None]
     windows = {n: window[:, :n] for n in sorted(args.seqlens)}  # prefixes of one held-out window
@@ -651,7 +659,7 @@ def main_pretrained(args) -> dict:
                            "sink_tokens": c.sink_tokens, "local_window": c.local_window, "tile_size": c.tile_size,
                            "probes": c.probes, "probe_blocks": c.probe_blocks}
                     for name, c in cfgs.items()},
-        "heldout": {"files": len(held_bytes), "tokens": sum(map(len, held)),
+        "heldout": {"files": len(held), "tokens": sum(map(len, held)),
                     "preview": tokenizer.decode(window[0, :48])},
     }
     print(json.dumps({k: meta[k] for k in ("date", "machine", "torch", "transformers", "model")}), flush=True)
@@ -771,11 +779,16 @@ def main(argv: list[str] | None = None) -> None:
                          "id, or 'smollm2'; see the docstring")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 16, 64, 1024, 32, 128],
                     help="--pretrained: fixed top-k budgets as triples V S T (verticals and slashes per head, tile)")
+    ap.add_argument("--topp-budgets", type=float, nargs="+", default=[],
+                    help="--pretrained: more top-p configs as pairs P T (share of the mass, tile; caps 4096)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="--pretrained: only these configs (paper_t128, paper_t64, topkV_S_tT)")
     ap.add_argument("--probes", nargs="+", default=["last"], choices=("last", "documents", "spread"),
                     help="--pretrained: SparsityConfig.probes placements, each with every config")
     ap.add_argument("--probe-blocks", type=int, default=16, help="SparsityConfig.probe_blocks")
+    ap.add_argument("--last-q", type=int, default=64, help="--pretrained: SparsityConfig.last_q (rows per probe block)")
+    ap.add_argument("--max-doc-tokens", type=int, default=None,
+                    help="--pretrained: pack only the held-out files of at most this many tokens (more per window)")
     ap.add_argument("--documents", action="store_true",
                     help="--pretrained: pack the window's files as documents (positions restart after each "
                          "separator, attention stays in each file)")
