@@ -271,7 +271,10 @@ class SparsityConfig:
 
 PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
 """The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
-slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
+slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with. Its probes
+are the default ``probes="documents"``: the paper's last 64 queries wherever no document boundaries are known, one
+block per document where they are (the paper has no packed documents); ``dataclasses.replace(PAPER_SPARSITY,
+probes="last")`` keeps the paper's probes there too."""
 
 
 def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:
