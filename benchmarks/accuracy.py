@@ -29,8 +29,9 @@ inside each file, no target crosses a boundary, the estimator gets the boundarie
 Variants (``--variant``): ``dense`` (SDPA), ``topp`` (MTraining's setting: top-p 0.9, caps 4096/4096, tile 128),
 ``topk`` (``--topk V S`` verticals and slashes per head besides 4 sinks and a 128-token window); sparse variants place
 their probe queries per ``--probes`` (``SparsityConfig.probes``: ``last``, the paper's last 64 queries; ``spread``,
-``--probe-blocks`` blocks of 64 spread over the window; ``documents``, one block per document where the boundaries
-are known). Same data order, steps and initial weights (``--seed``).
+``--probe-blocks`` blocks of 64 spread over the window, the default; ``documents``, one block per document where the
+boundaries are known, the default with ``--documents``); one trained with another placement than the default is
+named with it (``--probes last``: ``topp_last``, ``accuracy_topp_last.json``). Same data order, steps and initial weights (``--seed``).
 
 Measured, into ``accuracy_<variant>.json``: training loss and step time every step; held-out loss and perplexity
 every ``--eval-every`` steps (each model with the attention it trains with) and per-layer pattern density and
@@ -84,16 +85,20 @@ extension) and ``base_rope`` (the model with the changed RoPE, untrained). ``--p
 Explicit options (``--rope``, ``--seq-len``, ``--steps``, ...) override the preset.
 
 GPU commands (repo root; the GGUF comes in two parts and ``gguf`` as a wheel, see the README's GPU notes; the first
-command converts the GGUF to a float32 folder under ``./data/pretrained`` that the later ones load in seconds; each
-command stops by itself within ``--max-seconds``, and is run again until its JSON says ``"complete": true``)::
+load converts the GGUF to a float32 folder under ``./data/pretrained`` and the corpus' tokens to ``--run-dir``,
+which later commands on the same machine load in seconds). Each command stops by itself within ``--max-seconds``
+and is run again, on the same machine, until it prints ``phase ... -> done``; a variant's pieces must run on one
+machine (its state lives there)::
 
     G=/tmp/mtraining_gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-    A="--pretrained $G --preset ext64k --out-dir $OUT --max-seconds 500"
-    python benchmarks/accuracy.py $A --variant base        # once
-    python benchmarks/accuracy.py $A --variant dense       # until complete
-    python benchmarks/accuracy.py $A --variant topp        # until complete
-    python benchmarks/accuracy.py $A --variant topk        # until complete
-    python benchmarks/accuracy.py --report --out-dir DIR   # anywhere, from the fetched accuracy_<variant>.json
+    A="--pretrained $G --preset ext64k --out-dir $OUT --max-seconds 480"
+    python benchmarks/accuracy.py $A --variant base                 # 1 piece: before extension
+    python benchmarks/accuracy.py $A --variant dense                # 2 pieces
+    python benchmarks/accuracy.py $A --variant topp                 # 2-3 pieces (probes spread over the window)
+    python benchmarks/accuracy.py $A --variant topk                 # 2 pieces
+    python benchmarks/accuracy.py $A --variant topp --probes last   # 2-3 pieces: the paper's probes
+                                                                    # (accuracy_topp_last.json)
+    python benchmarks/accuracy.py --report --report-dirs DIRS --out-dir DIR   # here, from the fetched JSONs
 
     python benchmarks/accuracy.py --pretrained smollm2 --smoke --variant all --out-dir /tmp/acc   # CPU, minutes
 
@@ -727,11 +732,28 @@ def _atomic_json(path: str, obj) -> None:
 
 
 def _corpus(args, tokens: Tokens):
+    """(train, held-out) documents in the model's tokens: tokenised once per process, and kept under ``--run-dir``
+    for the next command on the machine (the key: the tokenizer, the Python version's files, ``--max-files``)."""
     key = ("docs", args.pretrained, args.max_files)
     if key not in _LOADED:  # variants run in one process tokenise the corpus once
         t0 = time.perf_counter()
-        train_bytes, held_bytes = corpus_documents(args.max_files)
-        _LOADED[key] = (tokens.documents(train_bytes), tokens.documents(held_bytes))
+        if tokens.tokenizer is None:
+            fingerprint = "bytes"
+        else:
+            from lightning_mtraining.hf.pretrained import tokenizer_fingerprint
+
+            fingerprint = tokenizer_fingerprint(tokens.tokenizer)
+        name = hashlib.sha256(json.dumps([fingerprint, args.max_files, platform.python_version()]).encode())
+        path = os.path.join(args.run_dir, f"corpus-{name.hexdigest()[:12]}.pt")
+        if os.path.exists(path):
+            saved = torch.load(path, weights_only=True)
+            _LOADED[key] = (saved["train"], saved["held"])
+        else:
+            train_bytes, held_bytes = corpus_documents(args.max_files)
+            _LOADED[key] = (tokens.documents(train_bytes), tokens.documents(held_bytes))
+            os.makedirs(args.run_dir, exist_ok=True)
+            torch.save({"train": _LOADED[key][0], "held": _LOADED[key][1]}, path + ".tmp")
+            os.replace(path + ".tmp", path)
         train, held = _LOADED[key]
         print(f"corpus: {sum(map(len, train)) / 1e6:.2f}M train and {sum(map(len, held)) / 1e6:.2f}M held-out "
               f"tokens ({time.perf_counter() - t0:.1f} s)", flush=True)
