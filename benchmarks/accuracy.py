@@ -31,7 +31,8 @@ Variants (``--variant``): ``dense`` (SDPA), ``topp`` (MTraining's setting: top-p
 their probe queries per ``--probes`` (``SparsityConfig.probes``: ``last``, the paper's last 64 queries; ``spread``,
 ``--probe-blocks`` blocks of 64 spread over the window, the default; ``documents``, one block per document where the
 boundaries are known, the default with ``--documents``); one trained with another placement than the default is
-named with it (``--probes last``: ``topp_last``, ``accuracy_topp_last.json``). Same data order, steps and initial weights (``--seed``).
+named with it (``--probes last``: ``topp_last``, ``accuracy_topp_last.json``). Same data order, steps and initial
+weights (``--seed``).
 
 Measured, into ``accuracy_<variant>.json``: training loss and step time every step; held-out loss and perplexity
 every ``--eval-every`` steps (each model with the attention it trains with) and per-layer pattern density and
@@ -99,6 +100,12 @@ machine (its state lives there)::
     python benchmarks/accuracy.py $A --variant topp --probes last   # 2-3 pieces: the paper's probes
                                                                     # (accuracy_topp_last.json)
     python benchmarks/accuracy.py --report --report-dirs DIRS --out-dir DIR   # here, from the fetched JSONs
+
+On a machine with several GPUs the variants run at once, one per GPU, each resuming its own run folder (the same
+command again continues all of them)::
+
+    i=0; for v in base dense topp topk; do
+      CUDA_VISIBLE_DEVICES=$i python benchmarks/accuracy.py $A --variant $v > $OUT/$v.log 2>&1 & i=$((i+1)); done; wait
 
     python benchmarks/accuracy.py --pretrained smollm2 --smoke --variant all --out-dir /tmp/acc   # CPU, minutes
 
@@ -706,7 +713,7 @@ class Run:
         _atomic_json(os.path.join(self.dir, "state.json"), self.state)
 
     def save_weights(self, name: str, payload: dict) -> None:
-        tmp = os.path.join(self.dir, name + ".tmp")
+        tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.tmp")
         torch.save(payload, tmp)
         os.replace(tmp, os.path.join(self.dir, name))
 
@@ -720,7 +727,7 @@ class Run:
 
 
 def _atomic_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
@@ -752,8 +759,9 @@ def _corpus(args, tokens: Tokens):
             train_bytes, held_bytes = corpus_documents(args.max_files)
             _LOADED[key] = (tokens.documents(train_bytes), tokens.documents(held_bytes))
             os.makedirs(args.run_dir, exist_ok=True)
-            torch.save({"train": _LOADED[key][0], "held": _LOADED[key][1]}, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            tmp = f"{path}.{os.getpid()}.tmp"  # variants may run at once, one per GPU, and write it alike
+            torch.save({"train": _LOADED[key][0], "held": _LOADED[key][1]}, tmp)
+            os.replace(tmp, path)
         train, held = _LOADED[key]
         print(f"corpus: {sum(map(len, train)) / 1e6:.2f}M train and {sum(map(len, held)) / 1e6:.2f}M held-out "
               f"tokens ({time.perf_counter() - t0:.1f} s)", flush=True)
