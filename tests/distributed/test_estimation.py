@@ -33,6 +33,12 @@ CONFIGS = {
                               tile_size=16, pattern_heads="kv"),
     "topp-kv": SparsityConfig(top_p=0.9, max_vertical=20, max_slash=30, last_q=12, sink_tokens=1, local_window=0,
                               tile_size=16, pattern_heads="kv"),
+    # probe blocks spread over the sequence: 5 blocks of 30 rows in full rows (150-256 tokens), 3 to 5 in the
+    # ragged row (n - 37 tokens), whose missing blocks are padding rows
+    "spread-topp-query": SparsityConfig(top_p=0.8, max_vertical=12, max_slash=9, last_q=30, probes="spread",
+                                        probe_blocks=5, sink_tokens=2, local_window=3, tile_size=16),
+    "spread-topk-kv": SparsityConfig(vertical_topk=(4, 7), slash_topk=5, last_q=7, probes="spread", probe_blocks=3,
+                                     sink_tokens=1, local_window=2, tile_size=16, pattern_heads="kv"),
 }
 
 
@@ -132,6 +138,8 @@ def test_budgets_load_from_json(tmp_path):
         (dict(last_q=0), "last_q must be an int >= 1"),
         (dict(tile_size=100), "power of two"),
         (dict(pattern_heads="group"), "pattern_heads"),
+        (dict(probes="first"), "probes must be one of"),
+        (dict(probe_blocks=0), "probe_blocks must be an int >= 1"),
         (dict(dense_layers=[1], budgets={1: (1, 1)}), "both in dense_layers and in budgets"),
         (dict(budgets={"x": (1, 1)}), "not an integer"),
     ],

@@ -9,6 +9,7 @@ probe row's scores restricted to its document, and the unchanged model run on ea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -299,7 +300,8 @@ def _lists(pattern):
              for g in range(v.shape[1])] for b in range(v.shape[0])]
 
 
-CONFIG = SparsityConfig(vertical_topk=4, slash_topk=3, last_q=6, tile_size=BS, sink_tokens=2, local_window=2)
+CONFIG = SparsityConfig(vertical_topk=4, slash_topk=3, last_q=6, tile_size=BS, sink_tokens=2, local_window=2,
+                        probes="last")
 
 
 def _estimate_worker(rank, w, n):
@@ -327,6 +329,80 @@ def test_estimate_pattern_with_documents_follows_the_contract_on_any_world_size(
     # the documents matter: the same inputs estimated as one document per row give another pattern
     plain = estimate_pattern(q, k, CONFIG, layout="striped", block_size=BS)
     assert _lists(plain) != want
+
+
+# Probe blocks per document (``probes="documents"``) and spread (``"spread"``) against the independent float64
+# reference (tests/helpers/pattern_ref.py). Documents (n = 288): row 0 holds a 5-token document (longer than the local
+# window 3, shorter than last_q 8: a partial block), a single token (no block: the window covers it), 100, 4, 60
+# tokens and the rest; row 1 a long document whose end lies inside the last block (its block stops where the last
+# one begins: no row twice) and a last document of 6 tokens, shorter than last_q.
+DOC_CONFIGS = {
+    "documents-topk": SparsityConfig(vertical_topk=4, slash_topk=3, last_q=8, tile_size=BS, sink_tokens=2,
+                                     local_window=3, probes="documents", probe_blocks=16),
+    "documents-topk-cap": SparsityConfig(vertical_topk=4, slash_topk=3, last_q=8, tile_size=BS, sink_tokens=2,
+                                         local_window=3, probes="documents", probe_blocks=3),
+    "documents-topp-kv": SparsityConfig(top_p=0.7, max_vertical=30, max_slash=20, last_q=8, tile_size=BS,
+                                        sink_tokens=1, local_window=3, probes="documents", pattern_heads="kv"),
+    "spread-topk": SparsityConfig(vertical_topk=4, slash_topk=3, last_q=8, tile_size=BS, sink_tokens=2,
+                                  local_window=3, probes="spread", probe_blocks=5),
+}
+
+
+def _doc_blocks(n):
+    return doc_starts_for(n, [[5, 1, 100, 4, 60, 0], [n - 6, 0]])  # the last length: the rest of the row
+
+
+def _documents_worker(rank, w, n, layout):
+    import torch.distributed as dist
+
+    q, k, _, _ = make_inputs(n, seed=17)
+    sh = lambda x, d=2: shard_sequence(x, d, rank, w, layout, BS)  # noqa: E731
+    group = dist.group.WORLD if w > 1 else None
+    out = {}
+    for name, cfg in DOC_CONFIGS.items():
+        for lens in ([n, n], [n, n - 40]):
+            pattern = estimate_pattern(sh(q), sh(k), cfg, group=group, layout=layout, block_size=BS, seq_len=lens,
+                                       doc_start=sh(_doc_blocks(n), 1))
+            out[(name, tuple(lens))] = _lists(pattern)
+    return out
+
+
+@pytest.mark.parametrize("w, layout", [(1, "striped"), (3, "striped"), (2, "zigzag")])
+def test_probe_blocks_per_document_follow_the_reference(w, layout):
+    from helpers.pattern_ref import probe_rows, reference_pattern
+
+    n = 288
+    q, k, _, _ = make_inputs(n, seed=17)
+    doc = _doc_blocks(n)
+    per_rank = run_distributed(_documents_worker, w, n, layout) if w > 1 else [_documents_worker(0, 1, n, layout)]
+    for key, got in per_rank[0].items():
+        name, lens = key
+        assert got == reference_pattern(q, k, DOC_CONFIGS[name], list(lens), doc_start=doc), key
+        for other in per_rank[1:]:
+            assert other[key] == got, key
+    # the blocks are what the docstring says: row 0 probes its 5-, 100-, 4- and 60-token documents besides the last
+    # block (the cap of 3 keeps the two longest), row 1 the long document's rows before the last block
+    rows = probe_rows(DOC_CONFIGS["documents-topk"], n, doc[0])
+    assert [r for r in rows if r < 5] == [0, 1, 2, 3, 4] and 5 not in rows  # partial block; the single token: none
+    assert len(rows) == 5 + 8 + 4 + 8 + 8
+    capped = probe_rows(DOC_CONFIGS["documents-topk-cap"], n, doc[0])
+    assert len(capped) == 3 * 8 and min(capped) == 6 + 100 - 8
+    # row 1: the long document ends at n - 7, inside the last block [n - 8, n): its block keeps [n - 14, n - 8)
+    assert probe_rows(DOC_CONFIGS["documents-topk"], n, doc[1]) == list(range(n - 14, n))
+    # blocks per document change the pattern against the paper's last block on the same inputs
+    last = dataclasses.replace(DOC_CONFIGS["documents-topk"], probes="last")
+    assert reference_pattern(q, k, last, [n, n], doc_start=doc) != reference_pattern(
+        q, k, DOC_CONFIGS["documents-topk"], [n, n], doc_start=doc)
+
+
+def test_the_two_references_agree_on_the_last_block():
+    """The reference above (this file) and the general one (helpers/pattern_ref.py) on the paper's probes."""
+    from helpers.pattern_ref import reference_pattern
+
+    n = 3 * layout_unit("striped", 3, BS) * 2
+    q, k, _, _ = make_inputs(n, seed=11)
+    assert reference_pattern(q, k, CONFIG, [n, n], doc_start=_doc(n)) == reference_pattern_with_documents(
+        q, k, _doc(n), CONFIG)
 
 
 # --- a Hugging Face model ------------------------------------------------------------------------------------------

@@ -95,6 +95,13 @@ def test_scorer():
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     tf = score_tasks(model, [task])[0]
     gen = score_tasks(model, [task], method="generate")[0]
+    # the answer's logits through logits_to_keep (only the last positions through the LM head) are the full ones
+    from lightning_mtraining.data.long_tasks import _answer_logits
+
+    ids, a = task.full_ids()[None], task.answer_ids.numel()
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0, task.length - 1:task.length - 1 + a]
+        assert torch.allclose(_answer_logits(model, ids, task.length, a), full, atol=1e-6, rtol=0)
     assert tf["correct"] == gen["correct"]
     with pytest.raises(ValueError, match="method"):
         score_tasks(model, [task], method="beam")

@@ -55,3 +55,32 @@ def _masked_in_row_chunks(bench, model, ids, cfg) -> float:
             return float(model(input_ids=ids, labels=ids).loss)
     finally:
         model.set_attn_implementation("eager")
+
+
+@pytest.mark.parametrize("probes", ["last", "documents"])
+def test_masked_forward_with_documents_equals_the_sparse_attention_forward(probes):
+    """Packed documents (positions restarting, attention inside each): the masked forward's per-token losses, boundary
+    targets left out, average to ``apply_context_parallel``'s loss with the same ``position_ids`` (which leaves those
+    targets out too), for the paper's probes and per-document probe blocks; and the dense masked forward's to the
+    model's own loss on each document alone."""
+    from lightning_mtraining import SparsityConfig
+
+    bench = _bench()
+    model = make_model("llama").eval()
+    ids = torch.randint(1, VOCAB, (1, 200), generator=torch.Generator().manual_seed(4))
+    spans = [(0, 30), (30, 95), (95, 101), (101, 200)]
+    cfg = SparsityConfig(vertical_topk=6, slash_topk=2, last_q=16, sink_tokens=2, local_window=16, tile_size=16,
+                         probes=probes)
+    _, position_ids = bench.document_inputs(spans, 200)
+    kernel = bench.sparse_forward_loss(model, ids, cfg, position_ids)
+    masked = bench.masked_forward_losses(model, ids, cfg, spans)
+    assert int(masked.isnan().sum()) == len(spans) - 1
+    assert abs(float(masked.nanmean()) - kernel) < 1e-5, (float(masked.nanmean()), kernel)
+    dense = bench.masked_forward_losses(model, ids, None, spans)
+    with torch.no_grad():
+        alone = [model(input_ids=ids[:, a:b], labels=ids[:, a:b]).loss for a, b in spans if b - a > 1]
+    per_doc = bench.per_document(dense, torch.arange(1, 200), spans)
+    for got, want in zip([x for x, (a, b) in zip(per_doc, spans) if b - a > 1], alone):
+        assert abs(got - float(want)) < 1e-5, (got, float(want))
+    assert abs(float(dense.nanmean()) - kernel) > 1e-4  # the pattern matters here
+    assert model.config._attn_implementation == "eager"

@@ -9,7 +9,9 @@ per query head and summed per KV group. Inputs are float32 (the kernel's dot run
 2e-5 relative to each sum's scale: float32 accumulation over <= ~400 terms of size <= 1 (about 400 * 6e-8 = 2.4e-5
 worst case; typical error is far smaller).
 
-Then ``estimate_pattern`` itself, distributed over 3 gloo processes (W = 3 striped) and on one process, with the
+Then ``estimate_pattern`` itself (the last probe block, and four blocks spread over each row: the Triton scorer
+runs per block with two batch rows, on the blocks as its batch with one), distributed over 3 gloo processes (W = 3
+striped) and on one process, with the
 Triton scorer forced on CPU (``estimation._SCORER = "triton"``) against the torch scorer on the same float32
 inputs: identical index sets (both sum in float32 in different orders; with these seeded inputs no selection
 boundary is within that noise, which the exact equality checks).
@@ -100,11 +102,17 @@ def _estimate_worker(rank, w, interpret_shim):
                                tile_size=16),
         "topk-kv": SparsityConfig(vertical_topk=(5, 9), slash_topk=6, last_q=17, sink_tokens=1, local_window=2,
                                   tile_size=16, pattern_heads="kv"),
+        # four probe blocks spread over each row: the Triton scorer runs once per block
+        "spread-topp": SparsityConfig(top_p=0.9, max_vertical=40, max_slash=50, last_q=16, probes="spread",
+                                      probe_blocks=4, sink_tokens=2, local_window=3, tile_size=16),
     }.items():
         for scorer in ("torch", "triton"):
             est._SCORER = scorer
             p = estimate_pattern(ql, kl, cfg, group=group, layout="striped", block_size=16, seq_len=[N, N - 37])
             out[(name, scorer)] = (p.vertical_idx, p.slash_idx)
+            if cfg.probes == "spread":  # one batch row: the Triton scorer takes the blocks as its batch
+                p = estimate_pattern(ql[:1], kl[:1], cfg, group=group, layout="striped", block_size=16, seq_len=N - 5)
+                out[(name + "-b1", scorer)] = (p.vertical_idx, p.slash_idx)
     est._SCORER = "auto"
     return out
 
@@ -149,7 +157,7 @@ def _run_checks() -> dict[str, str]:
     checks = {f"scores_{lay}_w{w}_b{blk}": scores_check(lay, w, blk) for lay, w, blk in CASES}
 
     def same_patterns(out):
-        for name in ("topp", "topk-kv"):
+        for name in ("topp", "topk-kv", "spread-topp", "spread-topp-b1"):
             for a, b in zip(out[(name, "torch")], out[(name, "triton")]):
                 assert torch.equal(a, b), f"{name}: triton scorer {b.tolist()} != torch scorer {a.tolist()}"
 
