@@ -87,9 +87,9 @@ Explicit options (``--rope``, ``--seq-len``, ``--steps``, ...) override the pres
 
 GPU commands (repo root, after ``pip install --no-deps --no-build-isolation -e .``; the GGUF needs the ``gguf``
 package, see docs/real-model.md; the first load converts the GGUF to a float32 folder under ``./data/pretrained``
-and the corpus' tokens to ``--run-dir``, which later commands on the same machine load in seconds). Each command stops by itself within ``--max-seconds``
-and is run again, on the same machine, until it prints ``phase ... -> done``; a variant's pieces must run on one
-machine (its state lives there)::
+and the corpus' tokens to ``--run-dir``, which later commands on the same machine load in seconds). Each command
+stops by itself within ``--max-seconds`` and is run again, on the same machine, until it prints
+``phase ... -> done``; a variant's pieces must run on one machine (its state lives there)::
 
     G=/tmp/mtraining_gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     A="--pretrained $G --preset ext64k --out-dir $OUT --max-seconds 480"

@@ -89,7 +89,8 @@ def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]]
         norm = []
         for h, pair in enumerate(pairs):
             if not isinstance(pair, Sequence) or len(pair) != 2:
-                raise ValueError(f"SparsityConfig.budgets{source}[{layer}][{h}] must be (vertical, slash), got {pair!r}")
+                raise ValueError(f"SparsityConfig.budgets{source}[{layer}][{h}] must be (vertical, slash), "
+                                 f"got {pair!r}")
             v, s = (_budget(x, f"budgets[{layer}][{h}]") for x in pair)
             norm.append((v, s))
         out.append((layer, tuple(norm)))

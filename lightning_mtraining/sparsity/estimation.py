@@ -694,7 +694,7 @@ def _scores(probe: _Probe, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     row_base = ((torch.arange(B, device=dev)[:, None, None] * G + torch.arange(G, device=dev)[None, :, None]) * P
                 + torch.arange(P, device=dev)[None, None, :]) * N  # [B, G, P]
     first = probe.rows_pos.view(B, P, n)[:, :, 0]  # [B, P] each block's first row
-    for sl, kpos, visible, s in probe.chunks():
+    for sl, _kpos, visible, s in probe.chunks():
         a = probe.probabilities(s, visible)  # [B, H, r, Pc, R]
         if G != H:
             a = a.view(B, G, H // G, r, *a.shape[-2:]).sum(2)
@@ -730,7 +730,8 @@ def _recall_rows(rows, lens: list[int], device) -> torch.Tensor:
     if rows.dim() == 1:
         rows = rows.expand(B, rows.numel())
     if rows.dim() != 2 or rows.shape[0] != B:
-        raise ValueError(f"attention_recall: rows must be a count, [r] or [B={B}, r] positions; got {tuple(rows.shape)}")
+        raise ValueError(f"attention_recall: rows must be a count, [r] or [B={B}, r] positions; "
+                         f"got {tuple(rows.shape)}")
     return rows
 
 
@@ -799,7 +800,7 @@ def attention_recall(
         is_vert.scatter_(2, torch.where((v >= 0) & (v < n_total), v, n_total), True)
         kept = torch.zeros(B, H, probe.r, dtype=probe.cdt, device=dev)
         qt = (rows_pos // T)[:, None, :, None, None]  # [B, 1, r, 1, 1]
-        for sl, kpos, visible, s in probe.chunks():
+        for _sl, kpos, visible, s in probe.chunks():
             a = probe.probabilities(s, visible)  # [B, H, r, Pc, R]
             u = (qt - (kpos // T)[None, None, None]).clamp(0, NT - 1)  # [B, 1, r, Pc, R]
             tile = comp.gather(-1, u.expand(B, H, *u.shape[2:]).reshape(B, H, -1)).view(a.shape)
