@@ -59,7 +59,7 @@ from lightning_mtraining.ring.setup import (
 )
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import gather_vertical_kv, gathered_backward, ring_backward, ring_forward
-from lightning_mtraining.sparsity.config import PatternHeads, SparsityConfig
+from lightning_mtraining.sparsity.config import PatternHeads, Probes, SparsityConfig
 from lightning_mtraining.sparsity.estimation import estimate_pattern
 from lightning_mtraining.sparsity.pattern import VerticalSlashPattern, real_lengths, sparse_part
 
@@ -98,12 +98,13 @@ def pattern_widths(config: SparsityConfig, num_heads: int, num_kv_heads: int,
 
 
 @functools.lru_cache(maxsize=256)
-def _config(last_q: int, sink_tokens: int, local_window: int, top_p: float | None, pattern_heads: str,
-            vertical: tuple[int, ...], slash: tuple[int, ...], tile_size: int) -> SparsityConfig:
+def _config(last_q: int, probes: str, probe_blocks: int, sink_tokens: int, local_window: int, top_p: float | None,
+            pattern_heads: str, vertical: tuple[int, ...], slash: tuple[int, ...], tile_size: int) -> SparsityConfig:
     # the per-head budgets as both the top-k sizes and the caps: the mode (top_p) decides which are read
-    # pattern_heads travels through the op as a str; SparsityConfig checks its value
+    # pattern_heads and probes travel through the op as strs; SparsityConfig checks their values
     return SparsityConfig(vertical_topk=vertical, slash_topk=slash, top_p=top_p, max_vertical=vertical,
-                          max_slash=slash, last_q=last_q, sink_tokens=sink_tokens, local_window=local_window,
+                          max_slash=slash, last_q=last_q, probes=cast(Probes, probes), probe_blocks=probe_blocks,
+                          sink_tokens=sink_tokens, local_window=local_window,
                           pattern_heads=cast(PatternHeads, pattern_heads), tile_size=tile_size)
 
 
@@ -120,8 +121,8 @@ def _pad(idx: torch.Tensor, width: int) -> torch.Tensor:
 @custom_op("mtraining::estimate_pattern", mutates_args=())
 def _estimate_op(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor | None, forward_id: torch.Tensor | None,
                  reuse_key: torch.Tensor | None, group: str, layout: str, block_size: int, seq_len: list[int],
-                 scale: float, last_q: int, sink_tokens: int, local_window: int, top_p: float | None,
-                 pattern_heads: str, vertical_budgets: list[int], slash_budgets: list[int],
+                 scale: float, last_q: int, probes: str, probe_blocks: int, sink_tokens: int, local_window: int,
+                 top_p: float | None, pattern_heads: str, vertical_budgets: list[int], slash_budgets: list[int],
                  tile_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     global estimations
     fid = int(forward_id) if forward_id is not None else None  # CPU tensors: no device sync
@@ -131,8 +132,8 @@ def _estimate_op(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor | Non
         if hit is not None and hit[0] == fid:  # a recompute of this forward: its pattern (fresh outputs)
             return hit[1].clone(), hit[2].clone()
     with outside_dispatch_mode():
-        config = _config(last_q, sink_tokens, local_window, top_p, pattern_heads, tuple(vertical_budgets),
-                         tuple(slash_budgets), tile_size)
+        config = _config(last_q, probes, probe_blocks, sink_tokens, local_window, top_p, pattern_heads,
+                         tuple(vertical_budgets), tuple(slash_budgets), tile_size)
         p = estimate_pattern(q, k, config, group=group_by_name(group), layout=layout, block_size=block_size,
                              seq_len=seq_len or None, scale=scale, doc_start=doc_start)
         slash = _pad(p.slash_idx, local_window + max(slash_budgets))
@@ -148,8 +149,8 @@ def _estimate_op(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor | Non
 
 
 @_estimate_op.register_fake
-def _(q, k, doc_start, forward_id, reuse_key, group, layout, block_size, seq_len, scale, last_q, sink_tokens,
-      local_window, top_p, pattern_heads, vertical_budgets, slash_budgets, tile_size):
+def _(q, k, doc_start, forward_id, reuse_key, group, layout, block_size, seq_len, scale, last_q, probes, probe_blocks,
+      sink_tokens, local_window, top_p, pattern_heads, vertical_budgets, slash_budgets, tile_size):
     B, G = q.shape[0], q.shape[1] if pattern_heads == "query" else k.shape[1]
     if doc_start is not None:
         n_vert = torch.library.get_ctx().new_dynamic_size()
@@ -177,7 +178,8 @@ def estimate_pattern_op(q: torch.Tensor, k: torch.Tensor, config: SparsityConfig
     lens = [] if seq_len is None else [seq_len] * q.shape[0] if isinstance(seq_len, int) else [int(x) for x in seq_len]
     forward_id, key = reuse if reuse is not None else (None, None)
     return _estimate_op(q.detach(), k.detach(), doc_start, forward_id, key, group_name(group), layout, block_size, lens,
-                        default_scale(q.shape[-1], scale), config.last_q, config.sink_tokens, config.local_window,
+                        default_scale(q.shape[-1], scale), config.last_q, config.probes, config.probe_blocks,
+                        config.sink_tokens, config.local_window,
                         config.top_p, config.pattern_heads, list(vert), list(slash), config.tile_size)
 
 
