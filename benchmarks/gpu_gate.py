@@ -21,7 +21,9 @@ still run):
   ``mtraining_dense``, the paper's setting (``sparse_topp``) and top-k 1024/32; host syncs per step.
 - ``smollm2``: the same benchmark on the real SmolLM2-135M (``--gguf``) at 32K (YaRN 4x: dense, top-k 1024/32,
   top-p 0.9) and 64K (YaRN 8x: dense, top-p 0.9), on windows of real text; steps after warm-up over their median
-  (recompiles show as long steps) and host syncs per step.
+  (recompiles show as long steps), host syncs per step (``set_sync_debug_mode`` counts; a layer's dense decision,
+  read after its attention is launched by waiting on an event, is not among them) and the GPU idle time a sparse
+  step adds over the dense one (the median step minus the profiled step's device time).
 
 Goals (one GPU, medians after warm-up, the same run): see :data:`GOALS`. Output: a table of goals (last), per-phase
 logs and JSON under ``--out-dir``, and ``gate.json`` with every goal, the card and the versions.
@@ -59,6 +61,8 @@ GOALS = {
     "smollm2_long_steps": ("smollm2", "SmolLM2: the longest step after the third over the median (worst variant)",
                            1.3, False),
     "syncs_per_layer": ("smollm2", "host syncs per decoder layer and step (worst sparse variant)", 1.0, False),
+    "idle_ms_per_layer": ("smollm2", "GPU idle a sparse step beyond the dense step's, per decoder layer, ms (worst "
+                          "sparse variant; idle = median step - profiled device time)", 0.5, False),
 }
 
 
@@ -197,6 +201,20 @@ def _syncs_per_layer(rows: list[dict], layers: int) -> float:
     return max(vals) if vals else float("nan")
 
 
+def _idle_per_layer(rows: list[dict], layers: int) -> float:
+    """The worst sparse row's GPU idle (median step minus the profiled step's device time) beyond its length's dense
+    row's, per layer, in ms: the host work the GPU waits on (the decision's read, the launches after it)."""
+    def idle(r):
+        step, total = r.get("step_s"), r.get("split_total_ms")
+        return 1e3 * step - total if step is not None and total is not None else float("nan")
+
+    dense = {r.get("N"): idle(r) for r in rows if r.get("variant") == "mtraining_dense"}
+    vals = [(idle(r) - dense[r.get("N")]) / layers for r in rows
+            if r.get("variant", "").startswith("sparse") and r.get("N") in dense]
+    vals = [v for v in vals if v == v]
+    return max(vals) if vals else float("nan")
+
+
 def phase_qwen(args) -> dict:
     n = 131072
     rows = _throughput(args, "qwen_128k", ["--layers", "8", "--seqlens", str(n), "--variants", "mtraining_dense",
@@ -222,7 +240,8 @@ def phase_smollm2(args) -> dict:
             "smollm2_64k_topp_vs_dense": _speedup(rows64, "sparse_topp", "mtraining_dense", 65536),
             "smollm2_long_steps": _long_steps([dict(r, _bench="32k") for r in rows32]
                                               + [dict(r, _bench="64k") for r in rows64], {"32k": 3, "64k": 2}),
-            "syncs_per_layer": _syncs_per_layer(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
+            "syncs_per_layer": _syncs_per_layer(rows32 + rows64, 30),
+            "idle_ms_per_layer": _idle_per_layer(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
 
 
 def verdicts(found: dict) -> list[dict]:

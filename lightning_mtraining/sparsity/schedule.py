@@ -28,6 +28,7 @@ from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.pattern import (
     LayerPattern,
+    Outcome,
     VerticalSlashPattern,
     dense_heads,
     head_pairs,
@@ -92,6 +93,7 @@ class AttentionSchedule:
         self.step = 0
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
         self._patterns: dict[int, Any] = {}  # this forward's pattern (or LayerPattern record) per layer
+        self._outcomes: dict[int, Outcome] = {}  # each layer's last dense decision (the next forward's guess)
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
@@ -145,6 +147,16 @@ class AttentionSchedule:
         self._patterns[layer_idx] = pattern
         return pattern, True
 
+    def expected_outcome(self, layer_idx: int | None) -> Outcome:
+        """The layer's dense decision in its last forward (``"sparse"`` before any): the guess a
+        :class:`~lightning_mtraining.sparsity.pattern.PendingLayerPattern` runs before its decision is read."""
+        return self._outcomes.get(layer_idx, "sparse") if layer_idx is not None else "sparse"
+
+    def note_outcome(self, layer_idx: int | None, outcome: Outcome) -> None:
+        """Remember the layer's decision for the next forward's guess."""
+        if layer_idx is not None:
+            self._outcomes[layer_idx] = outcome
+
     # --- measurements -----------------------------------------------------------------------------------------
 
     @property
@@ -178,7 +190,8 @@ class AttentionSchedule:
         n_dense = 0 if mask is None else int(mask.sum())
         computed = allowed if mask is None else int(torch.where(mask, causal_heads, per_head).sum())
         base = dict(computed=computed, dense_heads=n_dense, heads=per_head.numel())
-        if n_dense == per_head.numel() and n_dense > 0:  # the ring ran its dense op
+        ran_dense_op = pattern.all_dense if isinstance(pattern, LayerPattern) else n_dense == per_head.numel() > 0
+        if ran_dense_op:
             self._stats[layer_idx] = LayerStats(allowed, causal, 0.0, 0.0, None, **base)
             return
         if mask is not None and n_dense:

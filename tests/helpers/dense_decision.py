@@ -9,13 +9,20 @@ from fractions import Fraction
 
 import torch
 
+import lightning_mtraining.sparsity.pattern as pattern_mod
 from helpers.models import VOCAB, make_model
-from lightning_mtraining.sparsity.pattern import LayerPattern, head_pairs
+from lightning_mtraining.sparsity.pattern import PendingLayerPattern, head_pairs
 
 
-def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatch, seq: int = 512, **overrides):
+def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatch, seq: int = 512,
+                                   measure: bool = True, **overrides):
     """Train one step with head 0 of layer 0 just above ``dense_above`` where a bf16 comparison would say "below";
-    assert it ran, finite, with one dense-or-sparse decision per layer (the recompute reused the forward's)."""
+    assert it ran, finite, with one dense-or-sparse decision per layer (the recompute reused the forward's).
+    Where the decision is read after the launch (``PendingLayerPattern``: CUDA, or CPU when the caller adds it to
+    ``READ_LATER_ON``), layer 0's first guess (no head dense) is wrong: its forward runs twice and the recompute
+    replays both. Returns the schedule's record of layer 0 and what its forward ran (``runs``, None when read at
+    once). ``measure=False``: the step is not a measured one (a measured step reads the decision before the launch,
+    for its statistics)."""
     from lightning_mtraining import SparsityConfig, apply_context_parallel
 
     cfg = SparsityConfig(top_p=0.9, last_q=8, sink_tokens=2, local_window=16, tile_size=16, max_vertical=8,
@@ -47,14 +54,16 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     thr = next((t for t in exact_dense if not bf16(a) > bf16(t * c)), exact_dense[0])
 
     decisions = []
-    real = LayerPattern.decide.__func__
+    real = pattern_mod._device_decision
 
-    def counting(cls, *args, **kwargs):
+    def counting(*args, **kwargs):
         decisions.append(args[2])
-        return real(cls, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(LayerPattern, "decide", classmethod(counting))
+    monkeypatch.setattr(pattern_mod, "_device_decision", counting)
     model, handle = prepared(dataclasses.replace(cfg, dense_above=thr))
+    if not measure:
+        handle.schedule.log_every_n_steps = 0
     torch.set_default_dtype(torch.bfloat16)
     try:
         loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
@@ -64,4 +73,8 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     assert len(decisions) == model.config.num_hidden_layers  # the recompute reused the forward's record
-    assert handle.schedule._patterns[0].dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike
+    record = handle.schedule._patterns[0]
+    runs = record.runs if isinstance(record, PendingLayerPattern) else None
+    record = record.result() if isinstance(record, PendingLayerPattern) else record
+    assert record.dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike
+    return record, runs

@@ -1,0 +1,40 @@
+"""``benchmarks/gpu_gate.py``'s arithmetic on rows as ``train_throughput.py`` writes them (its runs need a GPU)."""
+
+import importlib.util
+import pathlib
+
+
+def _gate():
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_gate.py"
+    spec = importlib.util.spec_from_file_location("gpu_gate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROWS = [
+    {"variant": "mtraining_dense", "N": 32768, "step_s": 0.635, "split_total_ms": 624.0, "syncs_per_step": 3},
+    {"variant": "sparse_topk 1024/32", "N": 32768, "step_s": 0.479, "split_total_ms": 359.0, "syncs_per_step": 33},
+    {"variant": "sparse_topp", "N": 32768, "step_s": 0.641, "split_total_ms": 518.0, "syncs_per_step": 62},
+    {"variant": "mtraining_dense", "N": 65536, "step_s": 1.997, "split_total_ms": 1985.0},
+    {"variant": "sparse_topp", "N": 65536, "step_s": 1.170, "split_total_ms": 999.0},
+]
+
+
+def test_idle_per_layer_is_the_worst_sparse_rows_idle_beyond_dense():
+    gate = _gate()
+    # idle: 32K dense 11 ms, top-k 120, top-p 123; 64K dense 12, top-p 171: the worst is 64K top-p, (171 - 12) / 30
+    assert abs(gate._idle_per_layer(ROWS, 30) - (171 - 12) / 30) < 1e-9
+    assert gate._idle_per_layer([r for r in ROWS if r["variant"] != "mtraining_dense"], 30) != \
+        gate._idle_per_layer([r for r in ROWS if r["variant"] != "mtraining_dense"], 30)  # no dense row: nan
+
+
+def test_verdicts_compare_each_goal_with_its_target():
+    gate = _gate()
+    found = {"phases_run": ["smollm2"], "smollm2_32k_topk_vs_dense": 2.1, "smollm2_32k_topp_vs_dense": 0.99,
+             "idle_ms_per_layer": 0.4, "syncs_per_layer": gate._syncs_per_layer(ROWS, 30)}
+    verdict = {v["goal"]: v["pass"] for v in gate.verdicts(found)}
+    assert verdict["smollm2_32k_topk_vs_dense"] and not verdict["smollm2_32k_topp_vs_dense"]
+    assert verdict["idle_ms_per_layer"] and not verdict["syncs_per_layer"]  # 62 / 30 syncs a layer
+    assert not verdict["smollm2_64k_topp_vs_dense"]  # not measured (nan): fails
+    assert "qwen_128k_topk_vs_dense" not in verdict  # its phase did not run
