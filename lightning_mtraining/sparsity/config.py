@@ -70,7 +70,7 @@ def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]]
             f"SparsityConfig.budgets{source} must be a mapping {{layer: (vertical, slash) or [(vertical, slash) per "
             f"head]}} or a JSON file path, got {type(budgets).__name__}"
         )
-    out = []
+    out: list[tuple[int, tuple[tuple[Any, Any], ...]]] = []
     for key, value in budgets.items():
         try:
             layer = int(key)
@@ -86,7 +86,7 @@ def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]]
                 f"SparsityConfig.budgets{source}[{layer}] must be (vertical, slash) or a non-empty list of such "
                 f"pairs, got {value!r}"
             )
-        norm = []
+        norm: list[tuple[Any, Any]] = []
         for h, pair in enumerate(pairs):
             if not isinstance(pair, Sequence) or len(pair) != 2:
                 raise ValueError(f"SparsityConfig.budgets{source}[{layer}][{h}] must be (vertical, slash), "
@@ -94,7 +94,7 @@ def _load_budgets(budgets: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]]
             v, s = (_budget(x, f"budgets[{layer}][{h}]") for x in pair)
             norm.append((v, s))
         out.append((layer, tuple(norm)))
-    return tuple(sorted(out))
+    return tuple(sorted(out, key=lambda item: item[0]))  # layers are unique
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +241,8 @@ class SparsityConfig:
         Top-k mode: the number of non-forced entries kept; top-p mode: the caps. Raises if a per-head list does
         not have ``num_heads`` entries.
         """
+        vert: Any
+        slash: Any
         if self.mode == "topk":
             vert, slash = self.vertical_topk, self.slash_topk
         else:

@@ -419,7 +419,8 @@ def _keep(values, where, total, forced_mass, budgets: list[int], top_p: float | 
 _LOW = 0xFFFFFFFF
 
 
-def _top_packed(scores, index, candidate, total, forced_mass, Kl: int, K: int, group, cp_size: int):
+def _top_packed(scores, index, candidate, total, forced_mass, Kl: int, K: int, group,
+                cp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selection's top entries for float32 scores: one int64 key per entry, ``bits(score) << 32 | (2^32 - 1 -
     index)`` (non-negative float32 bits order like the floats, so the keys order as (score desc, index asc) and are
     unique), ``topk`` on them locally and after the all-gather: no float64 copies, no full stable sorts.
@@ -491,7 +492,7 @@ class _Documents:
         after = torch.cat([nxt[:, 1:], self.lens], dim=-1)
         self.length = torch.where(self.first, after - self.ar, 0)
         self.real, self.host_lens = real, lens
-        self.sinks = None
+        self.sinks: torch.Tensor = torch.zeros(0, dtype=torch.bool, device=dev)  # set by probes_and_sinks
 
     def probes_and_sinks(self, config: SparsityConfig):
         """``(forced verticals [B, 1, m], rows_pos [B, P*n], rows_ok [B, P*n] or None, P)`` for ``config``: the
@@ -627,7 +628,8 @@ def estimate_pattern(
         # every rank keeps it (even where all its tokens lie in first documents): collectives follow
         doc_start = check_doc_start(doc_start, q, pos, drop_single=False)
     with torch.no_grad():
-        docs = forced_v = None
+        docs: _Documents | None = None
+        forced_v: torch.Tensor | None = None
         if doc_start is not None:
             docs = _Documents(doc_start, pos, lens, lens_t, group, cp_size, n_total, layout, block_size)
             forced_v, rows_pos, rows_ok, blocks = docs.probes_and_sinks(config)
@@ -654,7 +656,7 @@ def estimate_pattern(
                         group, cp_size)
         s_sel = _select(owned, off_idx[None, :], s_cand, s_forced.expand_as(owned), slash_budget, config.top_p,
                         group, cp_size)
-        if docs is None:
+        if forced_v is None:
             forced_v = _forced(config.sink_tokens, lens, (B, G), dev)
         vertical_idx = _sorted_indices(forced_v.expand(B, G, -1), v_sel)
         slash_idx = _sorted_indices(_forced(config.local_window, lens, (B, G), dev), s_sel)
