@@ -58,7 +58,11 @@ per-rank lengths other than 16K beyond the fitted line.
 Memory per GPU (planner): model states ``bytes_per_param * P`` (default 16: bf16 weights and gradients, float32
 master and Adam moments; ``/ W`` with FSDP) + activations ``S * act_bytes_per_token``, the per-token slope measured
 on one H100 (Qwen2.5-3B, checkpointing, bf16-true: 18.6 / 26.8 / 47.2 GiB at 32K / 64K / 128K: 0.30 MiB a token),
-scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``). With
+scaled for other shapes (checkpointed layer inputs ``2 L h`` bytes plus the rest in proportion to ``ffn + h``).
+``--tiled-mlp`` (the sequence-tiled MLP, ``tiled_mlp=``): the per-token saving is the difference of two lines fitted
+to peaks measured with and without it at three lengths or more on one card (``benchmarks/data/`` files named by
+``MEMORY_GLOB``, :func:`measured_tiled_mlp`), scaled by ``ffn``; never assumed: without such files the planner says
+how to measure it and stops. With
 activation offload the checkpointed inputs of the fewest layers that make a GPU's share fit are counted in host
 memory instead (``offload_activations=N``, or ``True`` for all; within ``--host-mem-gib`` a node when given; a rule,
 not fitted to a measurement). Their host-device copies are in the step time: out in the forward, back in the backward,
@@ -89,6 +93,14 @@ DATA = HERE / "data"
 SPARSE_RING_FILES = ("sparse_ring_128k_w8_vertical_step_h100_2026-12-05.json",
                      "sparse_ring_512k_w32_vertical_step_h100_2026-12-05.json")
 TRAIN_FILE = "train_throughput_liger_budget_h100_2026-12-06.json"
+# peaks of train_throughput.py runs with and without --tiled-mlp on one card (rows carry tiled_mlp), measured by
+# TILED_MLP_COMMAND
+MEMORY_GLOB = "train_throughput_memory_*.json"
+TILED_MLP_COMMAND = (
+    "python benchmarks/train_throughput.py --variants sparse_topk --topk 1024 32 --seqlens 32768 65536 131072 "
+    "--warmup 1 --steps 1 --no-split [--tiled-mlp 8192] --out benchmarks/data/train_throughput_memory_<name>.json "
+    "(once with and once without --tiled-mlp, on one card)")
+MIN_LENGTHS = 3  # measured lengths a memory line is fitted to
 MEASURED_ON = "one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0"
 PATTERN_ROWS = 16  # heads of the synthetic pattern per layer (what the simulated ring ran)
 FP_SPLIT = 1.0 / 3.5  # forward's share of forward+backward FLOPs: the backward is 2.5 times the forward's
@@ -216,11 +228,54 @@ def measured_rest(data_dir: Path = DATA) -> dict:
     d = json.loads((data_dir / TRAIN_FILE).read_text())
     rows = [r for r in d["call1_sparse_topk_1024_32_32k_128k_256k"]["rows"] if r.get("status") == "ok"]
     per_token = [r["split_ms"]["rest"] * 1e-3 / r["N"] for r in rows]
-    xs, ys = [r["N"] for r in rows], [r["peak_gib"] * GIB for r in rows]
+    xs = [r["N"] for r in rows]
+    _, slope = fit_line([(r["N"], r["peak_gib"] * GIB) for r in rows])
+    return {"rest_s_per_token": statistics.fmean(per_token), "rest_per_token_range_us": [min(per_token) * 1e6,
+            max(per_token) * 1e6], "act_bytes_per_token": slope, "lengths": xs, "file": TRAIN_FILE,
+            "tiled_mlp": measured_tiled_mlp(data_dir)}
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``y = a + b x`` through ``(x, y)`` points (two distinct x at least)."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit_line needs two distinct x values, got {sorted(set(xs))}")
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"rest_s_per_token": statistics.fmean(per_token), "rest_per_token_range_us": [min(per_token) * 1e6,
-            max(per_token) * 1e6], "act_bytes_per_token": slope, "lengths": xs, "file": TRAIN_FILE}
+    return my - slope * mx, slope
+
+
+def measured_tiled_mlp(data_dir: Path = DATA) -> dict | None:
+    """What the sequence-tiled MLP (``tiled_mlp``) saves in activation memory, fitted to measured peaks: lines through
+    the peak device memory of the runs without and with it (``MEMORY_GLOB`` files, rows of ``train_throughput.py``
+    carrying ``tiled_mlp``, at least ``MIN_LENGTHS`` lengths each, one card), their slopes' difference in bytes per
+    token. None where no such measurement exists (the planner then offers no tiled MLP: it is never assumed)."""
+    groups: dict[int, list[tuple[float, float]]] = {}
+    files, devices = [], set()
+    for path in sorted(data_dir.glob(MEMORY_GLOB)):
+        d = json.loads(path.read_text())
+        chunk = int(d.get("info", {}).get("args", {}).get("tiled_mlp") or 0)
+        rows = [r for r in d.get("rows", []) if r.get("status") == "ok" and r.get("peak_gib") is not None]
+        for r in rows:
+            groups.setdefault(int(r.get("tiled_mlp", chunk) or 0), []).append((r["N"], r["peak_gib"] * GIB))
+        if rows:
+            files.append(path.name)
+            devices.add(d.get("info", {}).get("device"))
+    tiled = {c: pts for c, pts in groups.items() if c and len({n for n, _ in pts}) >= MIN_LENGTHS}
+    plain = groups.get(0, [])
+    if not tiled or len({n for n, _ in plain}) < MIN_LENGTHS:
+        return None
+    if len(devices) > 1:
+        raise ValueError(f"{MEMORY_GLOB} files come from several cards ({sorted(map(str, devices))}): the tiled MLP's "
+                         "saving is the difference of two lines measured on one card; keep one card's files")
+    chunk = max(tiled, key=lambda c: len(tiled[c]))
+    a0, b0 = fit_line(plain)
+    a1, b1 = fit_line(tiled[chunk])
+    resid = max(abs(y - (a + b * x)) / y for (a, b), pts in (((a0, b0), plain), ((a1, b1), tiled[chunk]))
+                for x, y in pts)
+    return {"tiled_mlp": chunk, "untiled_bytes_per_token": b0, "tiled_bytes_per_token": b1,
+            "saving_bytes_per_token": b0 - b1, "lengths": sorted({int(n) for n, _ in tiled[chunk]}),
+            "max_rel_residual": resid, "files": files, "device": next(iter(devices))}
 
 
 # --- (c) links ------------------------------------------------------------------------------------------------------
@@ -402,10 +457,13 @@ def training_step(layer: dict, shape: ModelShape, seq_len: int, gpus: int, hw: H
 
 
 def memory_gib(shape: ModelShape, seq_len: int, gpus: int, rest: dict, bytes_per_param: float = 16.0,
-               fsdp: bool = False, offload: bool | int = False) -> dict:
+               fsdp: bool = False, offload: bool | int = False, tiled_mlp: bool = False) -> dict:
     """Model states and activations per GPU (GiB); see the module docstring. ``offload``: the checkpointed layer
     inputs wait in host memory, of every layer (``True``, ``offload_activations=True``) or of the first N
-    (``offload_activations=N``), so they leave the GPU's share; ``host_gib`` is what they take there, per GPU."""
+    (``offload_activations=N``), so they leave the GPU's share; ``host_gib`` is what they take there, per GPU.
+    ``tiled_mlp``: the MLP runs a chunk of tokens at a time; its measured saving per token
+    (``rest["tiled_mlp"]``, :func:`measured_tiled_mlp`) scaled by the MLP width (the intermediates it no longer
+    holds for the whole sequence); a ValueError where it was not measured."""
     s = seq_len // gpus
     states = bytes_per_param * shape.params() / (gpus if fsdp else 1)
     ckpt = lambda m: 2.0 * m.layers * m.hidden  # noqa: E731 - checkpointed layer inputs, bf16, bytes per token
@@ -413,19 +471,25 @@ def memory_gib(shape: ModelShape, seq_len: int, gpus: int, rest: dict, bytes_per
     ref_rest = rest["act_bytes_per_token"] - ckpt(REFERENCE)
     moved = ckpt(shape) * layers / shape.layers
     per_token = ckpt(shape) - moved + ref_rest * (shape.ffn + shape.hidden) / (REFERENCE.ffn + REFERENCE.hidden)
+    if tiled_mlp:
+        tiled = rest.get("tiled_mlp")
+        if not tiled:
+            raise ValueError("the tiled MLP's memory is not measured yet (no benchmarks/data/" + MEMORY_GLOB + " with "
+                             f"{MIN_LENGTHS} lengths with and without it): measure it with {TILED_MLP_COMMAND}")
+        per_token -= tiled["saving_bytes_per_token"] * shape.ffn / REFERENCE.ffn
     act = s * per_token
     return {"states_gib": states / GIB, "activations_gib": act / GIB, "total_gib": (states + act) / GIB,
-            "offload": offload, "host_gib": s * moved / GIB}
+            "offload": offload, "host_gib": s * moved / GIB, "tiled_mlp": bool(tiled_mlp)}
 
 
 def offload_needed(shape: ModelShape, seq_len: int, gpus: int, rest: dict, hw: Hardware, per_node: int,
-                   bytes_per_param: float = 16.0, fsdp: bool = False) -> bool | int | None:
+                   bytes_per_param: float = 16.0, fsdp: bool = False, tiled_mlp: bool = False) -> bool | int | None:
     """The fewest decoder layers whose checkpointed inputs must wait in host memory for a GPU's share to fit
     ``hw.gpu_mem_gib``: False when nothing needs to, True when every layer's must, N otherwise; None when even all
     of them do not make it fit, or the host (``hw.host_mem_gib`` per node, ``per_node`` GPUs offloading) cannot hold
     the fewest that would."""
     for n in range(shape.layers + 1):
-        mem = memory_gib(shape, seq_len, gpus, rest, bytes_per_param, fsdp, offload=n)
+        mem = memory_gib(shape, seq_len, gpus, rest, bytes_per_param, fsdp, offload=n, tiled_mlp=tiled_mlp)
         if mem["total_gib"] <= hw.gpu_mem_gib:
             if hw.host_mem_gib is not None and mem["host_gib"] * per_node > hw.host_mem_gib:
                 return None
@@ -497,7 +561,7 @@ def grid(shape: ModelShape, hw: Hardware, seq_lens: list[int], nodes_list: list[
 
 def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: int, costs: dict, rest: dict,
          bytes_per_param: float = 16.0, fsdp: bool = False, cache: dict | None = None,
-         cp_sizes: list[int] | None = None) -> dict:
+         cp_sizes: list[int] | None = None, tiled_mlp: bool = False) -> dict:
     """Every (context-parallel size, inner ring size, layout) of the sparse ring, best first by tokens/s among those
     that fit in memory; and the dense ring over all GPUs. ``cp_sizes`` (default: every divisor of the GPU count
     that is a multiple or a divisor of ``per_node``): CP groups of that size, the rest of the GPUs data-parallel
@@ -511,7 +575,8 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
     then those that fit in neither way;
     each group by tokens/s, except that the first is the one with the strategy's default inner ring (the largest
     that fits a node) when it is within 1% of the fastest of the same CP size and layout. ``"memory"`` is what a
-    candidate needs as it would run (with offload where it needs it)."""
+    candidate needs as it would run (with offload where it needs it). ``tiled_mlp``: every candidate runs the
+    sequence-tiled MLP, its memory from the measured saving (:func:`memory_gib`; a ValueError where unmeasured)."""
     gpus = nodes * per_node
     if cp_sizes is None:
         cp_sizes = [d for d in range(2, gpus + 1) if gpus % d == 0 and (d % per_node == 0 or per_node % d == 0)]
@@ -523,13 +588,13 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
                              "unit; the strategy pads batches to its layout's unit): pad or pick another length")
         cp_nodes, cp_per_node = (cp // per_node, per_node) if cp >= per_node else (1, cp)
         inners = sorted({d for d in range(2, cp_per_node + 1) if cp_per_node % d == 0} | {cp})
-        mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp)
+        mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, tiled_mlp=tiled_mlp)
         fits = mem["total_gib"] <= hw.gpu_mem_gib
         offload = False if fits else offload_needed(shape, seq_len, cp, rest, hw, per_node,
-                                                    bytes_per_param, fsdp) or False
-        every = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=True)
+                                                    bytes_per_param, fsdp, tiled_mlp) or False
+        every = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=True, tiled_mlp=tiled_mlp)
         if offload:
-            mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=offload)
+            mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, offload=offload, tiled_mlp=tiled_mlp)
         for layout in ("striped", "zigzag", "contiguous"):
             for inner in inners:
                 method = "flat" if inner == cp else "hier"
@@ -558,11 +623,12 @@ def plan(shape: ModelShape, hw: Hardware, seq_len: int, nodes: int, per_node: in
         cp_nodes, cp_per_node = (cp // per_node, per_node) if cp >= per_node else (1, cp)
         layer = attention_layer("dense", shape, seq_len, cp_nodes, cp_per_node, hw, costs, cache=cache)
         step = training_step(layer, shape, seq_len, cp, hw, rest, cp_per_node)
-        mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp)
+        mem = memory_gib(shape, seq_len, cp, rest, bytes_per_param, fsdp, tiled_mlp=tiled_mlp)
         dense.append({**layer, **step, "cp": cp, "dp": gpus // cp, "tokens_per_s": gpus // cp * step["tokens_per_s"],
                       "memory": mem, "fits": mem["total_gib"] <= hw.gpu_mem_gib})
     dense.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"]))
-    return {"candidates": cands, "best": cands[0], "dense": dense[0], "memory": cands[0]["memory"], "gpus": gpus}
+    return {"candidates": cands, "best": cands[0], "dense": dense[0], "memory": cands[0]["memory"], "gpus": gpus,
+            "tiled_mlp": rest["tiled_mlp"]["tiled_mlp"] if tiled_mlp else None}
 
 
 def _plot(rows: list[dict], path: str, hw: Hardware) -> None:
@@ -621,7 +687,8 @@ def _fmt_plan(p: dict, shape_name: str, hw: Hardware, seq_len: int, nodes: int, 
         f"{b['tokens_per_s']:.0f} tokens/s ({b['tokens_per_s'] / d['tokens_per_s']:.2f}x the dense ring); pattern "
         f"density {b['density']:.3f} (synthetic fixed budgets)",
         f"memory per GPU: {m['total_gib']:.1f} GiB ({m['states_gib']:.1f} model states + {m['activations_gib']:.1f} "
-        f"activations, checkpointed{', offloaded' if m.get('offload') else ''}): {fits}",
+        f"activations, checkpointed{', offloaded' if m.get('offload') else ''}"
+        f"{', tiled MLP of ' + str(p['tiled_mlp']) + ' tokens' if p.get('tiled_mlp') else ''}): {fits}",
     ]
     faster = [c for c in p["candidates"] if c["offload"] and c["tokens_per_s"] > b["tokens_per_s"]]
     if b["fits"] and faster:
@@ -681,9 +748,11 @@ def plan_config(p: dict, shape_name: str, shape: ModelShape, seq_len: int, nodes
     block = 128
     common = dict(nodes=nodes, devices=per_node, context_parallel_size=b["cp"], inner_ring_size=b["inner"],
                   layout=b["layout"], block_size=block, activation_checkpointing=True,
-                  offload_activations=b["offload"], fsdp=fsdp)
+                  offload_activations=b["offload"], tiled_mlp=p.get("tiled_mlp"), fsdp=fsdp)
     if cpu:  # the tiny model has fewer layers: offload all of them where the plan offloads some
         common["offload_activations"] = bool(b["offload"])
+        if common["tiled_mlp"]:  # chunks that tile the short sequence
+            common["tiled_mlp"] = 64
         trainer = trainer_config(**common, accelerator="cpu", precision="32-true", max_steps=2, limit_val_batches=0,
                                  num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                                  enable_model_summary=False)
@@ -766,6 +835,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--bytes-per-param", type=float, default=16.0)
     ap.add_argument("--fsdp", action="store_true", help="model states sharded over every GPU (mtraining_fsdp)")
+    ap.add_argument("--tiled-mlp", action="store_true", help="plan: every candidate runs the sequence-tiled MLP "
+                    "(tiled_mlp=, the measured chunk), its memory saving measured (an error where it is not)")
     ap.add_argument("--cp", type=int, nargs="+", help="plan: context-parallel sizes to try (default: all that fit "
                     "the node shape)")
     ap.add_argument("--config-out", help="plan: also write the LightningCLI config (examples/cli.py) to this file")
@@ -811,7 +882,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.studio_job and not (args.config_out and args.machine):
             raise SystemExit("--studio-job needs --config-out (a path the job can read, inside the Studio) and "
                              "--machine (e.g. H100_X_8)")
-        res = plan(shape, hw, tokens, nodes, per_node, costs, rest, args.bytes_per_param, args.fsdp, cache, args.cp)
+        if args.tiled_mlp and not rest["tiled_mlp"]:
+            raise SystemExit("--tiled-mlp: the tiled MLP's memory saving is not measured yet (the planner does not "
+                             f"assume it); measure it on a GPU with {TILED_MLP_COMMAND}")
+        res = plan(shape, hw, tokens, nodes, per_node, costs, rest, args.bytes_per_param, args.fsdp, cache, args.cp,
+                   tiled_mlp=args.tiled_mlp)
         text = _fmt_plan(res, name, hw, tokens, nodes, per_node)
         print(text)
         from lightning_mtraining.strategies.cluster import cli_command, submit_studio_job, to_yaml

@@ -319,7 +319,7 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
         label += " compiled" if compiled else ""
         label += " det" if args.deterministic else ""
         label += f" nonfinite={args.nonfinite_check}" if args.nonfinite_check != "raise" else ""
-        row = {"variant": label, "N": n}
+        row = {"variant": label, "N": n, "tiled_mlp": args.tiled_mlp, "offload": args.offload}
         if failed:
             row["status"] = "skipped (a shorter length failed)"
             rows.append(row)

@@ -81,6 +81,7 @@ def trainer_config(
     sparsity: SparsityConfig | None = PAPER_SPARSITY,
     activation_checkpointing: bool = True,
     offload_activations: bool | int = False,
+    tiled_mlp: int | None = None,
     fsdp: bool = False,
     accelerator: str = "gpu",
     precision: str = "bf16-mixed",
@@ -96,7 +97,8 @@ def trainer_config(
             parallel).
         inner_ring_size: ranks of an inner ring of the hierarchical ring (written out, so the config says which
             ring runs); ``None``: the strategy's default for this world (inner rings inside a node).
-        layout, block_size, sparsity, activation_checkpointing, offload_activations: the strategy's options.
+        layout, block_size, sparsity, activation_checkpointing, offload_activations, tiled_mlp: the strategy's
+            options (``tiled_mlp`` written only when set).
         fsdp: ``MTrainingFSDPStrategy`` (parameters, gradients and optimizer state sharded over all ranks) instead
             of ``MTrainingStrategy`` (replicated, DDP).
         accelerator, precision: the Trainer's.
@@ -114,7 +116,7 @@ def trainer_config(
     owner = "trainer_config"
     ContextParallelOptions(context_parallel_size=cp, inner_ring_size=inner, layout=layout, block_size=block_size,  # type: ignore[arg-type]
                            sparsity=sparsity, activation_checkpointing=activation_checkpointing,
-                           offload_activations=offload_activations, owner=owner)
+                           offload_activations=offload_activations, tiled_mlp=tiled_mlp, owner=owner)
     check_sparsity_args(owner, [sparsity], layout, block_size)
     strategy = "MTrainingFSDPStrategy" if fsdp else "MTrainingStrategy"
     init_args: dict[str, Any] = {
@@ -126,6 +128,8 @@ def trainer_config(
         "activation_checkpointing": activation_checkpointing,
         "offload_activations": offload_activations,
     }
+    if tiled_mlp is not None:
+        init_args["tiled_mlp"] = tiled_mlp
     return {
         "accelerator": accelerator,
         "devices": devices,

@@ -169,3 +169,66 @@ def test_offloads_host_copies_are_in_the_step_and_a_faster_offload_row_is_named_
     assert "best despite faster-looking rows: context_parallel_size=4 (striped, inner_ring_size=4)" in text, text
     assert "host-device copies are a rule (25 GB/s per GPU each way), not a measurement" in text
     assert "(offload 10 layers: 0.43 s of host copies in the step, at 25 GB/s, a rule)" in text
+
+
+def _memory_file(path, device, chunk, peaks_gib):
+    import json
+
+    rows = [{"variant": "sparse_topk 1024/32", "N": n, "tiled_mlp": chunk, "status": "ok", "peak_gib": g}
+            for n, g in peaks_gib.items()]
+    path.write_text(json.dumps({"info": {"device": device, "args": {"tiled_mlp": chunk}}, "rows": rows}))
+
+
+def test_the_tiled_mlps_saving_is_fitted_to_measured_peaks(tmp_path):
+    assert sm.measured_tiled_mlp(tmp_path) is None  # nothing measured: nothing assumed
+    lengths = (32768, 65536, 131072)
+    # lines with known slopes: 0.30 MiB a token untiled, 0.22 tiled, 20 GiB of model states either way
+    plain = {n: 20 + n * 0.30 / 1024 for n in lengths}
+    tiled = {n: 20 + n * 0.22 / 1024 for n in lengths}
+    _memory_file(tmp_path / "train_throughput_memory_plain.json", "H100", 0, plain)
+    assert sm.measured_tiled_mlp(tmp_path) is None  # only one side measured
+    _memory_file(tmp_path / "train_throughput_memory_tiled.json", "H100", 8192, dict(list(tiled.items())[:2]))
+    assert sm.measured_tiled_mlp(tmp_path) is None  # two lengths are not enough for the line
+    _memory_file(tmp_path / "train_throughput_memory_tiled.json", "H100", 8192, tiled)
+    found = sm.measured_tiled_mlp(tmp_path)
+    assert found["tiled_mlp"] == 8192 and found["lengths"] == list(lengths)
+    assert found["saving_bytes_per_token"] == pytest.approx(0.08 * 2**20)
+    assert found["max_rel_residual"] < 1e-9
+    # on the reference shape the activations shrink by the saving, per token; a narrower MLP saves in proportion
+    rest = {"act_bytes_per_token": 300_000.0, "tiled_mlp": found}
+    one = sm.memory_gib(sm.REFERENCE, 131072, 1, rest)
+    both = sm.memory_gib(sm.REFERENCE, 131072, 1, rest, tiled_mlp=True)
+    assert one["activations_gib"] - both["activations_gib"] == pytest.approx(131072 * 0.08 / 1024)
+    narrow = sm.dataclasses.replace(sm.REFERENCE, ffn=sm.REFERENCE.ffn // 2)
+    saved = (sm.memory_gib(narrow, 131072, 1, rest)["activations_gib"]
+             - sm.memory_gib(narrow, 131072, 1, rest, tiled_mlp=True)["activations_gib"])
+    assert saved == pytest.approx(131072 * 0.04 / 1024)
+    with pytest.raises(ValueError, match="not measured yet"):
+        sm.memory_gib(sm.REFERENCE, 131072, 1, {"act_bytes_per_token": 300_000.0, "tiled_mlp": None}, tiled_mlp=True)
+    _memory_file(tmp_path / "train_throughput_memory_other.json", "H200", 0, plain)
+    with pytest.raises(ValueError, match="several cards"):
+        sm.measured_tiled_mlp(tmp_path)
+
+
+def test_a_tiled_plan_fits_where_the_plain_one_needs_offload_and_its_config_says_so():
+    costs, rest = sm.measured_step_costs(), sm.measured_rest()
+    hw = sm.PRESETS["h100-ndr"]
+    # a saving as large as the whole non-checkpointed part, so tiling decides whether 512K fits 8 GPUs unoffloaded
+    ckpt = 2.0 * sm.REFERENCE.layers * sm.REFERENCE.hidden
+    rest = dict(rest, tiled_mlp={"tiled_mlp": 8192, "saving_bytes_per_token": rest["act_bytes_per_token"] - ckpt})
+    plain = sm.plan(sm.REFERENCE, hw, 1048576, 1, 8, costs, rest, cp_sizes=[8])
+    tiled = sm.plan(sm.REFERENCE, hw, 1048576, 1, 8, costs, rest, cp_sizes=[8], tiled_mlp=True)
+    assert tiled["memory"]["activations_gib"] < plain["memory"]["activations_gib"]
+    assert tiled["tiled_mlp"] == 8192 and plain["tiled_mlp"] is None
+    config = sm.plan_config(tiled, "Qwen/Qwen2.5-3B", sm.REFERENCE, 1048576, 1, 8)
+    assert config["trainer"]["strategy"]["init_args"]["tiled_mlp"] == 8192
+    assert "tiled_mlp" not in sm.plan_config(plain, "Qwen/Qwen2.5-3B", sm.REFERENCE, 1048576, 1, 8)["trainer"][
+        "strategy"]["init_args"]
+    assert "tiled MLP of 8192 tokens" in sm._fmt_plan(tiled, "Qwen/Qwen2.5-3B", hw, 1048576, 1, 8)
+
+
+def test_the_planner_refuses_an_unmeasured_tiled_mlp(capsys):
+    if sm.measured_rest()["tiled_mlp"] is not None:
+        pytest.skip("the tiled MLP is measured in benchmarks/data")
+    with pytest.raises(SystemExit, match="not measured yet"):
+        sm.main(["plan", "--tokens", "131072", "--nodes", "1", "--tiled-mlp"])
