@@ -28,10 +28,13 @@ A length that is not a multiple of the layout's unit is an error here; the integ
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+
+from lightning_mtraining.core.memo import TensorMemo
 
 Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
@@ -84,15 +87,35 @@ def check_local_length(local_len: int, cp_size: int, layout: str, block_size: in
     return unit
 
 
+# check_doc_start's verdicts per doc_start tensor (kept while it lives), by the call's shapes and device and the very
+# positions tensor it was checked against (the callers' positions are cached, so every layer of a forward passes the
+# same ones): the check's host sync is paid once a batch. A verdict never holds its tensor: "same" stands for it.
+_CHECKED = TensorMemo()
+
+
 def check_doc_start(doc_start: torch.Tensor | None, q: torch.Tensor, q_pos: torch.Tensor,
                     drop_single: bool = True) -> torch.Tensor | None:
     """A valid ``doc_start`` (packed documents: for each of this rank's tokens, the global position of its
     document's first token) for queries ``q [B, H, S, D]`` at global positions ``q_pos [S]``: int64 on q's device, or
     None when every token here lies in a row's first document and ``drop_single`` (nothing to mask locally; a
     decision of this rank alone, so callers whose next step is a collective pass ``drop_single=False``). One host
-    sync."""
+    sync the first time a tensor is checked against a positions tensor; the verdict is kept while both live and
+    neither is modified (every layer of a forward passes the same ones)."""
     if doc_start is None:
         return None
+    if not isinstance(doc_start, torch.Tensor):
+        return _check_doc_start(doc_start, q, q_pos, drop_single)
+    seen = _CHECKED.get_or_make(doc_start, (q.shape[0], q.shape[2], str(q.device), drop_single, q_pos._version),
+                                list)  # [(positions' weak reference, verdict)]
+    for pos_ref, verdict in seen:
+        if pos_ref() is q_pos:
+            return doc_start if verdict == "same" else None if verdict == "none" else verdict
+    result = _check_doc_start(doc_start, q, q_pos, drop_single)
+    seen.append((weakref.ref(q_pos), "same" if result is doc_start else "none" if result is None else result))
+    return result
+
+
+def _check_doc_start(doc_start: Any, q: torch.Tensor, q_pos: torch.Tensor, drop_single: bool) -> torch.Tensor | None:
     B, S = q.shape[0], q.shape[2]
     if not isinstance(doc_start, torch.Tensor) or doc_start.dim() != 2 or doc_start.shape[1] != S \
             or doc_start.shape[0] not in (1, B) or doc_start.is_floating_point():

@@ -8,8 +8,11 @@ Shape legend: B batch, H query heads, Hkv key/value heads, S local (per-rank) se
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from lightning_mtraining.core.memo import TensorMemo
 from lightning_mtraining.core.numerics import acc_dtype
 from lightning_mtraining.core.profiling import ATTENTION, LISTS, profiled
 from lightning_mtraining.ring.block_ops import BlockAttentionOp, merge_attention
@@ -99,10 +102,20 @@ def lists_for_step(plan: StepLists | None, src: int,
     return tiles, skip or extra
 
 
+# document_skips' answers per doc_start tensor (kept while it lives) and positions: every layer of a forward asks the
+# same question, and its host sync is paid once a batch.
+_DOC_SKIPS = TensorMemo()
+
+
 def document_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, doc_start: torch.Tensor) -> dict[int, bool]:
     """For packed documents: which source ranks' chunks hold no key of any of this rank's queries' documents
-    (``doc_start[b, q] <= k <= q`` for no row), so their ring steps compute nothing. One host sync."""
+    (``doc_start[b, q] <= k <= q`` for no row), so their ring steps compute nothing. One host sync the first time a
+    batch's ``doc_start`` meets these (cached) positions."""
     q_pos = positions[cp_rank]
+    seen = _DOC_SKIPS.get_or_make(doc_start, (cp_rank, len(positions), q_pos._version), list)
+    for pos_ref, skips in seen:
+        if pos_ref() is q_pos:
+            return dict(skips)
     lo = doc_start.reshape(-1, q_pos.shape[0])
     hits = []
     for k_pos in positions:
@@ -110,7 +123,9 @@ def document_skips(positions: tuple[torch.Tensor, ...], cp_rank: int, doc_start:
         first = torch.searchsorted(k_pos, lo.contiguous())  # first key >= the document's start
         hits.append((hi[None, :] > first).any())
     work = torch.stack(hits).tolist()
-    return {src: not w for src, w in enumerate(work)}
+    skips = {src: not w for src, w in enumerate(work)}
+    seen.append((weakref.ref(q_pos), skips))
+    return dict(skips)
 
 
 def merge_skips(a: dict[int, bool] | None, b: dict[int, bool] | None) -> dict[int, bool] | None:

@@ -94,6 +94,7 @@ from lightning_mtraining.core.layouts import (
     global_positions,
     layout_unit,
 )
+from lightning_mtraining.core.memo import TensorMemo
 from lightning_mtraining.core.numerics import default_scale
 from lightning_mtraining.core.profiling import ESTIMATE, profiled
 from lightning_mtraining.core.topology import group_rank_size
@@ -530,6 +531,25 @@ class _Documents:
         return forced, rows_pos, rows_ok, blocks
 
 
+# The documents' bookkeeping per doc_start tensor (kept while it lives): every layer of a forward estimates with the
+# same tensor, so the all-gather of the start flags and the probes' host sync run once a batch (on every rank alike:
+# the same layers hit the same entries, so the collectives stay matched).
+_DOCUMENTS = TensorMemo()
+
+
+def _documents(doc_start: torch.Tensor, pos: torch.Tensor, lens: list[int], lens_t: torch.Tensor, group,
+               cp_size: int, n_total: int, layout: str, block_size: int, config: SparsityConfig):
+    """``(_Documents, its probes_and_sinks(config))``, made once per doc_start tensor, sharding and probe settings."""
+    key = (tuple(lens), group, cp_size, n_total, layout, block_size, str(pos.device), config.probes, config.last_q,
+           config.probe_blocks, config.local_window, config.sink_tokens)
+
+    def make():
+        docs = _Documents(doc_start, pos, lens, lens_t, group, cp_size, n_total, layout, block_size)
+        return docs, docs.probes_and_sinks(config)
+
+    return _DOCUMENTS.get_or_make(doc_start, key, make)
+
+
 def _last_rows(lens_t: torch.Tensor, n: int) -> torch.Tensor:
     """``[B, n]`` the last ``n`` real positions of every row: the paper's probes."""
     return lens_t[:, None] - n + torch.arange(n, device=lens_t.device)[None, :]
@@ -631,8 +651,8 @@ def estimate_pattern(
         docs: _Documents | None = None
         forced_v: torch.Tensor | None = None
         if doc_start is not None:
-            docs = _Documents(doc_start, pos, lens, lens_t, group, cp_size, n_total, layout, block_size)
-            forced_v, rows_pos, rows_ok, blocks = docs.probes_and_sinks(config)
+            docs, (forced_v, rows_pos, rows_ok, blocks) = _documents(doc_start, pos, lens, lens_t, group, cp_size,
+                                                                     n_total, layout, block_size, config)
         elif config.probes == "spread":
             rows_pos, rows_ok, blocks = _spread_rows(lens, n, config.probe_blocks, dev)
         else:
