@@ -35,8 +35,9 @@ Note [Distributed estimation]
 -----------------------------
 No rank ever holds the scores of another rank's keys. Per layer, with W ranks::
 
-    0. documents  (packed documents only) one all-gather of this rank's document-start flags [B, S]: every rank
-                  knows every document, so every rank places the same probe blocks and the same sinks
+    0. documents  (packed documents only; once a batch, the first layer's) one all-gather of this rank's
+                  document-start flags [B, S]: every rank knows every document, so every rank places the same
+                  probe blocks and the same sinks
     1. probes     every rank writes the probe rows it owns into a zero [B, H, r, D] buffer; all-reduce(sum)
                   gives every rank all probes (exact: each element has one non-zero contributor)
     2. normaliser each rank scores the probes against its own keys (chunked, no grad) and all-gathers its
@@ -60,8 +61,8 @@ D=128) this is dominated by the slash partials: 16*N*4 bytes against the ring's 
 Cost per rank: O(r * H * D * S) multiply-adds for the scores (twice: normaliser, then scores; r = n for the
 paper's one block, up to ``probe_blocks`` times that with several), O(B*G*(N/W)) for the selection (``topk``); no host
 synchronisation except on the first call for a (group, shapes) pair (a cross-rank shape check) and the host-side
-key bookkeeping (cached per layout); packed documents add two (the documents' validation, and the number of sinks
-and of probe blocks).
+key bookkeeping (cached per layout); packed documents add two once a batch (the documents' validation, and the number
+of sinks and of probe blocks: both kept per ``doc_start`` tensor, which every layer of a forward shares).
 
 Scorers: on CUDA (half or float32 inputs) the Triton scorer (:mod:`mtraining_kernels.probe_scores`, two launches
 per probe block, the scores never leave registers) for probe blocks without padding rows and without documents,
@@ -617,8 +618,8 @@ def estimate_pattern(
             with the documents. With ``config.probes="documents"`` every document longer than the local window
             gets its own probe block (up to ``probe_blocks``), so each one's columns and diagonals compete for the
             budget; with ``"last"`` (the paper) the probes lie in the row's last document(s) and the chosen
-            verticals mostly serve it. Costs one all-gather of ``B x S`` bytes more (the documents' start flags)
-            and runs the torch scorer.
+            verticals mostly serve it. Costs one all-gather of ``B x S`` bytes more once a batch (the documents'
+            start flags; kept per ``doc_start`` tensor) and runs the torch scorer.
 
     Returns:
         The same global :class:`VerticalSlashPattern` on every rank of ``group``: ``[B, G, sink + k]`` verticals and
