@@ -20,7 +20,7 @@ N, H, HKV, D = 512, 4, 2, 16
 
 def _doc_start(lengths=(100, 250)):
     starts, pos = [], 0
-    for i, n in enumerate(lengths):
+    for n in lengths:
         starts += [pos] * n
         pos += n
     starts += [pos] * (N - pos)
