@@ -8,7 +8,8 @@
   :mod:`.errors`: failures every rank finds alike, reported once (Note [Failures that speak once]), and a failure on one
   rank reported once, last (Note [The first failure speaks last]).
 - :mod:`.profiling`: profiler ranges (a flag check when no profiler runs); :mod:`.rng`: random generator states
-  kept around code that re-seeds them; :mod:`.deprecation`: the warning of a name that moved.
+  kept around code that re-seeds them; :mod:`.deprecation`: the warning of a name that moved; :mod:`.memo`: what is
+  derived from a tensor, kept while it lives (a batch's packed documents, checked once for every layer).
 """
 
 from lightning_mtraining.core.layouts import LAYOUTS, global_positions, shard_sequence, unshard_sequence
