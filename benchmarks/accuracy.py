@@ -4,10 +4,10 @@ Commands (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``; one 
 runs out of its ``--max-seconds`` saves its state and the same command continues it, see "Pieces" below; then the
 report merges the variants)::
 
-    python benchmarks/accuracy.py --variant dense --out-dir $OUT
-    python benchmarks/accuracy.py --variant topp  --out-dir $OUT
-    python benchmarks/accuracy.py --variant topk  --out-dir $OUT
-    python benchmarks/accuracy.py --report --out-dir $OUT        # accuracy.json + PNGs (PNGs need matplotlib)
+    python benchmarks/accuracy.py --variant dense --out-dir runs
+    python benchmarks/accuracy.py --variant topp  --out-dir runs
+    python benchmarks/accuracy.py --variant topk  --out-dir runs
+    python benchmarks/accuracy.py --report --out-dir runs        # accuracy.json + PNGs (PNGs need matplotlib)
 
     python benchmarks/accuracy.py --smoke --variant all --out-dir /tmp/acc   # CPU, tiny model, seconds
 
@@ -92,20 +92,20 @@ stops by itself within ``--max-seconds`` and is run again, on the same machine, 
 ``phase ... -> done``; a variant's pieces must run on one machine (its state lives there)::
 
     G=/tmp/mtraining_gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-    A="--pretrained $G --preset ext64k --out-dir $OUT --max-seconds 480"
+    A="--pretrained $G --preset ext64k --out-dir runs --max-seconds 480"
     python benchmarks/accuracy.py $A --variant base                 # 1 piece: before extension
     python benchmarks/accuracy.py $A --variant dense                # 2 pieces
     python benchmarks/accuracy.py $A --variant topp                 # 2-3 pieces (probes spread over the window)
     python benchmarks/accuracy.py $A --variant topk                 # 2 pieces
     python benchmarks/accuracy.py $A --variant topp --probes last   # 2-3 pieces: the paper's probes
                                                                     # (accuracy_topp_last.json)
-    python benchmarks/accuracy.py --report --report-dirs DIRS --out-dir DIR   # here, from the fetched JSONs
+    python benchmarks/accuracy.py --report --report-dirs DIRS --out-dir DIR   # any machine, from the runs' JSON files
 
 On a machine with several GPUs the variants run at once, one per GPU, each resuming its own run folder (the same
 command again continues all of them)::
 
     i=0; for v in base dense topp topk; do
-      CUDA_VISIBLE_DEVICES=$i python benchmarks/accuracy.py $A --variant $v > $OUT/$v.log 2>&1 & i=$((i+1)); done; wait
+      CUDA_VISIBLE_DEVICES=$i python benchmarks/accuracy.py $A --variant $v > runs/$v.log 2>&1 & i=$((i+1)); done; wait
 
     python benchmarks/accuracy.py --pretrained smollm2 --smoke --variant all --out-dir /tmp/acc   # CPU, minutes
 
@@ -1102,7 +1102,7 @@ def _progress(run: dict) -> tuple:
 
 def load_runs(dirs: list[str]) -> dict[str, dict]:
     """Per variant, the most advanced ``accuracy_<variant>.json`` under ``dirs`` (searched recursively: each
-    piece's fetched output may sit in its own folder)."""
+    piece's output may sit in its own folder, e.g. copied from the machine that ran it)."""
     runs: dict[str, dict] = {}
     for root in dirs:
         for dirpath, _, filenames in os.walk(root):

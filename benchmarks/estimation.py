@@ -3,7 +3,7 @@
 Command (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``, which maps
 the import name ``mtraining_kernels`` to ``kernels/``)::
 
-    python benchmarks/estimation.py --out $OUT/estimation.json
+    python benchmarks/estimation.py --out runs/estimation.json
     python benchmarks/estimation.py --cpu-smoke --out /tmp/estimation_smoke.json   # CPU, tiny sizes, torch paths
 
 Shape: Qwen2.5-3B attention (16 query heads, 2 KV heads, head dim 128), bf16, batch 1, causal; N = 32K, 64K, 128K,

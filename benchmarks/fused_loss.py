@@ -4,8 +4,8 @@ the plain loss, Liger-Kernel's and cut-cross-entropy's fused losses, one GPU.
 Commands (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``; Liger-Kernel
 and cut-cross-entropy are used where importable, a row says so where not)::
 
-    python benchmarks/fused_loss.py --out $OUT/fused_loss.json
-    python benchmarks/fused_loss.py --rows 8192 --methods plain ours --out $OUT/fused_loss_8k.json
+    python benchmarks/fused_loss.py --out runs/fused_loss.json
+    python benchmarks/fused_loss.py --rows 8192 --methods plain ours --out runs/fused_loss_8k.json
     python benchmarks/fused_loss.py --cpu-smoke --out /tmp/fused_loss_smoke.json   # CPU, tiny, plain and ours only
 
 Shape: the output embedding of Qwen2.5-3B, ``hidden [T, 2048]`` and ``weight [151936, 2048]``, both bf16, both

@@ -10,7 +10,7 @@ runs ``warpgroup_mma`` on each stage and stores C by TMA. bf16 in, fp32 accumula
 Commands::
 
     python benchmarks/gluon_probe.py --compile-only   # no GPU: compile for sm_90 and print the resources
-    python benchmarks/gluon_probe.py --out $OUT/gluon_probe.json   # GPU: check against torch, time both
+    python benchmarks/gluon_probe.py --out runs/gluon_probe.json   # GPU: check against torch, time both
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the epilogue, the wave tail) from the cost per key tile (``b``). Both are printe
 
 Commands (on a GPU; repo root)::
 
-    python benchmarks/kernel_fixed_cost.py --out $OUT/fixed.json
+    python benchmarks/kernel_fixed_cost.py --out runs/fixed.json
     # one forward+backward of the kernel_sparse.py pattern at 32K/2%, for Nsight Compute:
     ncu --clock-control none --kernel-name regex:"_vs_fwd|_vs_bwd_dq|_vs_bwd_dkdv" --launch-skip 4 \
         --launch-count 4 --section SpeedOfLight --section Occupancy python benchmarks/kernel_fixed_cost.py \

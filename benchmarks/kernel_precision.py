@@ -12,7 +12,7 @@ tests run the cases without a config through the public ``sparse_attention``, wh
 
 Command (on a GPU; repo root, with ``kernels/`` importable as ``mtraining_kernels``)::
 
-    python benchmarks/kernel_precision.py --out $OUT/precision.json
+    python benchmarks/kernel_precision.py --out runs/precision.json
 """
 
 from __future__ import annotations

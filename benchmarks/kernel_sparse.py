@@ -3,8 +3,8 @@ FlexAttention with the covering BlockMask, forward + backward, Qwen2.5-3B attent
 
 Command (on a GPU)::
 
-    python benchmarks/kernel_sparse.py --seqlens 32768 131072 --fractions 0.02 0.05 0.1 0.2 --out $OUT/ks.json
-    python benchmarks/kernel_sparse.py --seqlens 524288 --fractions 0.02 0.05 --anchors flex,cover --out $OUT/ks512.json
+    python benchmarks/kernel_sparse.py --seqlens 32768 131072 --fractions 0.02 0.05 0.1 0.2 --out runs/ks.json
+    python benchmarks/kernel_sparse.py --seqlens 524288 --fractions 0.02 0.05 --anchors flex,cover --out runs/ks512.json
 
 Patterns (one per KV head: G = H_kv = 2, a different random draw per head and per fraction), MTraining-like:
 - sinks: key columns 0..63 as verticals; local window: slash offsets 0..255 (3 tile offsets at 128 x 128 tiles);

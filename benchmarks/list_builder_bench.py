@@ -3,7 +3,7 @@ against Triton (``backend="triton"``, one launch a step; ``step_tile_lists_batch
 
 Commands (repo root)::
 
-    python benchmarks/list_builder_bench.py --out $OUT/list_builder.json            # GPU: 128K and 512K, W = 8
+    python benchmarks/list_builder_bench.py --out runs/list_builder.json            # GPU: 128K and 512K, W = 8
     python benchmarks/list_builder_bench.py --cpu-smoke --out /tmp/list_builder.json  # CPU, tiny sizes, torch only
 
 Setting (what one rank builds per layer in the sparse ring, ``lightning_mtraining.ring.steps.build_step_lists``): the

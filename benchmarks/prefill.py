@@ -2,7 +2,7 @@
 
 Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, see ``benchmarks/estimation.py``)::
 
-    python benchmarks/prefill.py --out $OUT/prefill.json
+    python benchmarks/prefill.py --out runs/prefill.json
     python benchmarks/prefill.py --smoke --out /tmp/prefill_smoke.json   # CPU, float32, 512 tokens
 
 Shape: Qwen2.5-3B attention (16 query heads, 2 KV heads, head dim 128), bf16, batch 1, causal, forward only (a

@@ -3,8 +3,8 @@ instrumentation (``lightning_mtraining.ring.trace``), and the scale model's pred
 
 Commands (repo root, ``kernels/`` importable as ``mtraining_kernels``; one host, N GPUs)::
 
-    torchrun --nproc-per-node 8 benchmarks/ring_overlap.py --seq 131072 --out $OUT/ring_overlap_w8_128k.json
-    torchrun --nproc-per-node 8 benchmarks/ring_overlap.py --seq 131072 --inner 4 --out $OUT/ring_overlap_2x4.json
+    torchrun --nproc-per-node 8 benchmarks/ring_overlap.py --seq 131072 --out runs/ring_overlap_w8_128k.json
+    torchrun --nproc-per-node 8 benchmarks/ring_overlap.py --seq 131072 --inner 4 --out runs/ring_overlap_2x4.json
     torchrun --nproc-per-node 2 benchmarks/ring_overlap.py --cpu-smoke        # CPU, gloo, tiny shapes, torch ops
 
 ``--inner g`` runs the hierarchical ring with inner rings of g GPUs (the "nodes" are then simulated on one host: both

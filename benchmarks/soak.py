@@ -6,7 +6,7 @@ Commands::
 
     python benchmarks/soak.py --steps 1000 --devices 2 --out /tmp/soak_cpu.json --plot /tmp/soak_cpu.png   # CPU
     python benchmarks/soak.py --gpu --devices 1 --steps 200 --seq-len 131072 --qwen-3b --layers 4 \
-        --out $OUT/soak_gpu.json --plot $OUT/soak_gpu.png                                              # GPU
+        --out runs/soak_gpu.json --plot runs/soak_gpu.png                                              # GPU
 
 What runs: a random-init Qwen2 model (CPU: 2 layers, hidden 64, 4 heads on 2 KV heads, vocabulary 1013; ``--qwen-3b``:
 the Qwen2.5-3B shape with HF gradient checkpointing, bf16; ``--layers`` fewer decoder layers, so a long run fits one

@@ -3,9 +3,9 @@
 Command (GPU, repo root, the package installed: ``pip install --no-deps --no-build-isolation -e .``, which maps
 the import name ``mtraining_kernels`` to ``kernels/``)::
 
-    python benchmarks/sparse_ring.py --out $OUT/sparse_ring.json
-    python benchmarks/sparse_ring.py --cases 524288:32 --reps 2 --dense-reps 1 --out $OUT/sparse_ring_512k.json
-    python benchmarks/sparse_ring.py --cases 524288:32 --skip-dense 524288 --out $OUT/sparse_ring_512k.json
+    python benchmarks/sparse_ring.py --out runs/sparse_ring.json
+    python benchmarks/sparse_ring.py --cases 524288:32 --reps 2 --dense-reps 1 --out runs/sparse_ring_512k.json
+    python benchmarks/sparse_ring.py --cases 524288:32 --skip-dense 524288 --out runs/sparse_ring_512k.json
     python benchmarks/sparse_ring.py --cpu-smoke --out /tmp/sparse_ring_smoke.json   # CPU, tiny, torch ops
 
 Shape: Qwen2.5-3B attention (16 query heads, 2 KV heads, head dim 128), bf16, batch 1, causal. Cases ``N:W``

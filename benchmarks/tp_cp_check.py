@@ -3,9 +3,9 @@ ring attention over cp, FSDP2 over dp x cp, in a plain torch loop (``apply_conte
 
 Commands (repo root, ``kernels/`` importable as ``mtraining_kernels``; one process per GPU)::
 
-    torchrun --nproc_per_node 4 benchmarks/tp_cp_check.py --cp 2 --tp 2 --out $OUT/tp2_cp2.json
-    torchrun --nproc_per_node 4 benchmarks/tp_cp_check.py --cp 4 --tp 1 --out $OUT/tp1_cp4.json
-    torchrun --nproc_per_node 2 benchmarks/tp_cp_check.py --cp 1 --tp 2 --out $OUT/tp2.json
+    torchrun --nproc_per_node 4 benchmarks/tp_cp_check.py --cp 2 --tp 2 --out runs/tp2_cp2.json
+    torchrun --nproc_per_node 4 benchmarks/tp_cp_check.py --cp 4 --tp 1 --out runs/tp1_cp4.json
+    torchrun --nproc_per_node 2 benchmarks/tp_cp_check.py --cp 1 --tp 2 --out runs/tp2.json
     torchrun --nproc_per_node 4 benchmarks/tp_cp_check.py --cpu-smoke --cp 2 --tp 2      # CPU, gloo, tiny
 
 1. Correctness (float32, a small Qwen2, dense and sparse): every rank also trains the same model on one device

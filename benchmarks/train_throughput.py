@@ -2,7 +2,7 @@
 
 Command (GPU, repo root, ``kernels/`` importable as ``mtraining_kernels``, see ``benchmarks/estimation.py``)::
 
-    python benchmarks/train_throughput.py --out $OUT/train_throughput.json
+    python benchmarks/train_throughput.py --out runs/train_throughput.json
     python benchmarks/train_throughput.py --variants sdpa mtraining_dense --seqlens 8192 16384 32768 65536
     python benchmarks/train_throughput.py --cpu-smoke --out /tmp/train_throughput_smoke.json   # CPU, tiny model
 
@@ -32,7 +32,7 @@ first steps compile (``--warmup`` of at least 1 keeps that out of the timed step
 recompiles per length). Compiled vs eager on one GPU, dense and sparse::
 
     python benchmarks/train_throughput.py --variants sdpa mtraining_dense sparse_topk --seqlens 32768 65536 \
-        --compile both --warmup 2 --steps 3 --out $OUT/train_throughput_compile.json
+        --compile both --warmup 2 --steps 3 --out runs/train_throughput_compile.json
 
 ``--deterministic``: ``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``): what bit-identical
 reruns cost (``tests/gpu/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
@@ -55,7 +55,7 @@ process loads; ``--rope yarn:4`` to run it past its 8K native context): the same
 variants' patterns are what the estimator picks on real attention::
 
     python benchmarks/train_throughput.py --pretrained smollm2 --rope yarn:4 --seqlens 16384 32768 \
-        --variants sdpa mtraining_dense sparse_topp sparse_topk --topk 1024 32 --out $OUT/train_throughput_smollm2.json
+        --variants sdpa mtraining_dense sparse_topp sparse_topk --topk 1024 32 --out runs/train_throughput_smollm2.json
 
 Time split (``--split``, default on; ``--no-split`` skips it): one more step after the timed ones runs under
 ``torch.profiler`` and its device time (CUDA kernel time; CPU self time of the ops in ``--cpu-smoke``) is summed into
