@@ -2,17 +2,13 @@
 each kernel counts for the innermost ``mtraining::`` range around the CPU call that launched it, else for an
 attention op around it, else for ``rest``; the ranges' own GPU spans count nothing."""
 
-import importlib.util
-import pathlib
 from types import SimpleNamespace as NS
+
+from helpers.scripts import load_script
 
 
 def _time_split():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
-    spec = importlib.util.spec_from_file_location("train_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.time_split
+    return load_script("benchmarks/train_throughput.py", "train_throughput").time_split
 
 
 CPU, CUDA = NS(name="CPU"), NS(name="CUDA")
@@ -43,16 +39,8 @@ def test_cuda_kernels_are_attributed_at_their_launch():
     assert out == {"attention": 30, "estimation": 30, "lists": 6, "rest": 40}, out
 
 
-def _module():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
-    spec = importlib.util.spec_from_file_location("train_throughput_mfu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_rest_utilisation_counts_the_weights_matmuls():
-    tt = _module()
+    tt = load_script("benchmarks/train_throughput.py", "train_throughput")
     # the Qwen2.5-3B shape with 8 layers: hidden 2048 (16 heads of 128, 2 KV heads), MLP 11008, vocabulary 151936
     cfg = NS(hidden_size=2048, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=2, vocab_size=151936)

@@ -1,15 +1,10 @@
 """``benchmarks/gpu_gate.py``'s arithmetic on rows as ``train_throughput.py`` writes them (its runs need a GPU)."""
 
-import importlib.util
-import pathlib
+from helpers.scripts import load_script
 
 
 def _gate():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_gate.py"
-    spec = importlib.util.spec_from_file_location("gpu_gate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_gate.py", "gpu_gate")
 
 
 ROWS = [
