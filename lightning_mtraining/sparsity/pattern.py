@@ -335,7 +335,7 @@ def read_later_on(device: torch.device) -> bool:
 
 class PendingLayerPattern:
     """A layer's dense decision, computed on the device and read by the host only after the layer's attention was
-    launched: no GPU idle waiting on the host (Note [The decision read after the launch]).
+    launched, so that the GPU need not idle while the host waits for it (Note [The decision read after the launch]).
 
     :attr:`computed` is what the ``guess`` (the layer's outcome in the previous forward,
     :meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.expected_outcome`) says to run; the ring runs it
@@ -350,8 +350,11 @@ class PendingLayerPattern:
     pair counts it compares live on the GPU. Read at once, the host waits for the GPU to finish everything queued up
     to the estimator; the GPU then idles while the host launches the step lists and the attention (measured on an
     H100: ~2.3 ms a sparse layer). Here the counts are copied to pinned host memory without blocking, the attention
-    the guess names is launched, and only then does the host wait, on an event recorded right after the copy. A wrong
-    guess costs one extra attention forward of that layer: the decision changes rarely from one forward to the next.
+    the guess names is launched, and only then does the host wait, on an event recorded right after the copy (the
+    idle time this removes is to be measured by the GPU gate's ``idle_ms_per_layer``). A wrong
+    guess costs one extra attention forward of that layer; a layer's decision follows its pattern's density, which
+    moves slowly over training, so a wrong guess is expected where the density crosses ``dense_above`` (how often is
+    not yet counted on a real run).
     The forward and a checkpointed recompute take the same path: the schedule keeps this object, and the recompute
     runs what the forward ran (:attr:`runs`, a wrong guess's extra attention included: non-reentrant checkpointing
     matches the tensors the two passes save by their order). Every rank makes the same guess
