@@ -25,7 +25,7 @@ still run):
   read after its attention is launched by waiting on an event, is not among them) and the GPU idle time a sparse
   step adds over the dense one (the median step minus the profiled step's device time).
 
-Phases run only when named (``EXTRA_PHASES``), the one-GPU limits, each about one 10-minute piece:
+Phases run only when named (``EXTRA_PHASES``), the one-GPU limits, each under 10 minutes on one H100 (estimated):
 
 - ``soak``: ``benchmarks/soak.py --gpu`` for 200 steps at 128K on the Qwen2.5-3B shape with 4 layers (sparse):
   memory flat within 1%, loss finite and falling; its PNG.
@@ -52,7 +52,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PHASES = ("tests", "blocks", "kernels", "qwen", "smollm2")
-EXTRA_PHASES = ("soak", "memory")  # run only when named: the one-GPU limits, each about one 10-minute piece
+EXTRA_PHASES = ("soak", "memory")  # run only when named: the one-GPU limits
 
 # goal name -> (phase, description, target, higher is better)
 GOALS = {

@@ -9,8 +9,8 @@ Commands::
         --out runs/soak_gpu.json --plot runs/soak_gpu.png                                              # GPU
 
 What runs: a random-init Qwen2 model (CPU: 2 layers, hidden 64, 4 heads on 2 KV heads, vocabulary 1013; ``--qwen-3b``:
-the Qwen2.5-3B shape with HF gradient checkpointing, bf16; ``--layers`` fewer decoder layers, so a long run fits one
-GPU call), sparse attention (top-p 0.9, tiles of 16 on CPU, 128 on the GPU; ``--dense`` for the dense ring),
+the Qwen2.5-3B shape with HF gradient checkpointing, bf16; ``--layers`` fewer decoder layers, so 200 steps at 128K take
+minutes, not an hour), sparse attention (top-p 0.9, tiles of 16 on CPU, 128 on the GPU; ``--dense`` for the dense ring),
 ``--devices`` processes (context parallel over all of them), AdamW, a new batch every step, validation every
 ``--val-every`` steps (the sharded eval path too). The data can be learnt only through long-range attention: each
 sequence repeats one fixed random block of ``--period`` tokens from a random offset, so from the second period on
