@@ -32,21 +32,33 @@ directly), so a test can count the specialisations a sequence of patterns asks f
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from triton import knobs
 from triton.runtime import driver
 
-__all__ = ["Launcher", "arg_key", "param_flags", "record_launch_keys", "specialization_key"]
+__all__ = ["Launcher", "arg_key", "count_launches", "interpreting", "param_flags", "record_launch_keys",
+           "specialization_key"]
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
 
 # the active :func:`record_launch_keys` blocks (innermost last); each is {kernel name: set of launch keys}
 _RECORDERS: list[dict[str, set]] = []
+# the active :func:`count_launches` blocks: each is called with the kernel's name at every launch
+_COUNTERS: list[Callable[[str], None]] = []
+# launches running in the Triton interpreter right now (their host-side emulation is no part of what a GPU runs)
+_INTERPRETING = [0]
+
+
+def interpreting() -> bool:
+    """Whether a kernel is running in the Triton interpreter right now: the torch ops the interpreter issues to emulate
+    it (copies of its arguments to and from numpy) are not ops the kernel's caller issues."""
+    return _INTERPRETING[0] > 0
 
 
 def arg_key(a: Any, specialize: bool = True, align: bool = True):
@@ -115,6 +127,25 @@ def record_launch_keys() -> Iterator[dict[str, set]]:
         _RECORDERS[:] = [r for r in _RECORDERS if r is not keys]
 
 
+@contextlib.contextmanager
+def count_launches(on_launch: Callable[[str], None] | None = None) -> Iterator[collections.Counter]:
+    """Inside the block, every launch through a :class:`Launcher` (every kernel launch of this package, on the GPU or
+    in the Triton interpreter) adds one to the yielded ``Counter`` under the kernel's name, and calls ``on_launch``
+    with that name if given. Blocks may nest."""
+    counts: collections.Counter = collections.Counter()
+
+    def note(name: str) -> None:
+        counts[name] += 1
+        if on_launch is not None:
+            on_launch(name)
+
+    _COUNTERS.append(note)
+    try:
+        yield counts
+    finally:
+        _COUNTERS[:] = [c for c in _COUNTERS if c is not note]
+
+
 class Launcher:
     """``Launcher(jit_fn)(grid, args, meta)`` launches ``jit_fn[grid](*args, **meta)``, directly after the first time.
 
@@ -143,10 +174,16 @@ class Launcher:
             rec.setdefault(self.name, set()).add(key)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict):
+        for note in _COUNTERS:
+            note(self.name)
         if not self.direct:
             if _RECORDERS:
                 self._record(self.key(args, meta))
-            return self.fn[grid](*args, **meta)
+            _INTERPRETING[0] += 1
+            try:
+                return self.fn[grid](*args, **meta)
+            finally:
+                _INTERPRETING[0] -= 1
         key = self.key(args, meta)
         if _RECORDERS:
             self._record(key)
