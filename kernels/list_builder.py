@@ -361,10 +361,10 @@ def _step_columns(QPos, KPos, URow, VRow, ColIdx, ColBits, blk, Mq, Sk, L, NV, n
 
 
 @triton.jit(do_not_specialize=["QPos", "KPos", "U", "V", "UCnt", "VCnt", "FIdx", "FCnt", "FNm", "BIdx", "BCnt",
-                               "BNm", "ColIdx", "ColBits", "Mq", "Nk", "Sk", "L", "NV", "NC", "J", "BIG", "BH",
+                               "BNm", "ColIdx", "ColBits", "Mq", "Nk", "Sk", "L", "NV", "NC", "J", "BIG", "BH", "v_off",
                                "n_col", "n_fwd", "top_q", "it_q", "top_k", "it_k", "top_s", "it_s", "top_u", "it_u"])
 def _step_lists_kernel(QPos, KPos, U, V, UCnt, VCnt, FIdx, FCnt, FNm, BIdx, BCnt, BNm, ColIdx, ColBits,
-                       Mq, Nk, Sk, L, NV, NC, J, BIG, BH, n_col, n_fwd, top_q, it_q, top_k, it_k, top_s, it_s,
+                       Mq, Nk, Sk, L, NV, NC, J, BIG, BH, v_off, n_col, n_fwd, top_q, it_q, top_k, it_k, top_s, it_s,
                        top_u, it_u,
                        T: tl.constexpr, TILES: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr):
@@ -377,8 +377,8 @@ def _step_lists_kernel(QPos, KPos, U, V, UCnt, VCnt, FIdx, FCnt, FNm, BIdx, BCnt
     if pid < n_col:  # the column programs first: they are the longest (n_col = 0 without COLUMNS)
         if COLUMNS:
             _step_columns(QPos, KRow, URow, V + bh.to(tl.int64) * NV, ColIdx + sbh * NC, ColBits + sbh * Mq * J,
-                          pid, Mq, Sk, L, NV, tl.load(VCnt + bh), NC, J, BIG, top_s, it_s, top_u, it_u, T, BLOCK_M,
-                          CHUNK, BLOCK_J)
+                          pid, Mq, Sk, L, NV, tl.load(VCnt + v_off + bh), NC, J, BIG, top_s, it_s, top_u, it_u, T,
+                          BLOCK_M, CHUNK, BLOCK_J)
     else:
         if TILES:
             blk = pid - n_col
@@ -423,18 +423,24 @@ def step_tile_lists_batched_triton(pt: PatternTiles, q_pos: torch.Tensor, k_pos_
     NC = triton.cdiv(NV, COL_CHUNK) * COL_CHUNK
     J = NC // COL_CHUNK
     i32 = torch.int32
+    # one step: its lists without the leading step dimension (the same memory; no view per list)
+    lead = (W,) if W > 1 else ()
     if tiles:
-        f_idx = torch.empty(W, B, H, Mq, L, dtype=i32, device=dev)
-        f_cnt, f_nm = torch.empty(2, W, B, H, Mq, dtype=i32, device=dev)
-        b_idx = torch.empty(W, B, H, Nk, L, dtype=i32, device=dev)
-        b_cnt, b_nm = torch.empty(2, W, B, H, Nk, dtype=i32, device=dev)
+        f_idx = torch.empty(*lead, B, H, Mq, L, dtype=i32, device=dev)
+        f_cnt = torch.empty(*lead, B, H, Mq, dtype=i32, device=dev)
+        f_nm = torch.empty(*lead, B, H, Mq, dtype=i32, device=dev)
+        b_idx = torch.empty(*lead, B, H, Nk, L, dtype=i32, device=dev)
+        b_cnt = torch.empty(*lead, B, H, Nk, dtype=i32, device=dev)
+        b_nm = torch.empty(*lead, B, H, Nk, dtype=i32, device=dev)
     else:  # empty lists, as the torch builder's: width 1, all zero (one buffer, one fill)
         zf, zb = torch.zeros(3 * W * BH * (Mq + Nk), dtype=i32, device=dev).split([3 * W * BH * Mq, 3 * W * BH * Nk])
         f_idx, f_cnt, f_nm = zf.view(3, W, B, H, Mq)
         b_idx, b_cnt, b_nm = zb.view(3, W, B, H, Nk)
         f_idx, b_idx = f_idx[..., None], b_idx[..., None]
-    col_idx = torch.empty(W, B, H, NC, dtype=i32, device=dev) if do_cols else None
-    col_bits = torch.empty(W, B, H, Mq, J, dtype=torch.int64, device=dev) if do_cols else None
+        if not lead:
+            f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm = (t[0] for t in (f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm))
+    col_idx = torch.empty(*lead, B, H, NC, dtype=i32, device=dev) if do_cols else None
+    col_bits = torch.empty(*lead, B, H, Mq, J, dtype=torch.int64, device=dev) if do_cols else None
     BLOCK_M = 32
     n_blk_m, n_blk_k = triton.cdiv(Mq, BLOCK_M), triton.cdiv(Nk, BLOCK_M)
     n_col = n_blk_m if do_cols else 0
@@ -443,19 +449,26 @@ def step_tile_lists_batched_triton(pt: PatternTiles, q_pos: torch.Tensor, k_pos_
         dummy = q_pos  # stands in for the outputs a launch does not write (never dereferenced)
         # each row's real entries (sorted, padding ``big`` last): the kernel's loops stop there, so bounded widths
         # (lists sized from the pattern's shapes) cost the builder nothing
-        u_cnt = (U < pt.big).sum(-1, dtype=i32).reshape(BH)
-        v_cnt = (V < pt.big).sum(-1, dtype=i32).reshape(BH) if NV else u_cnt
+        if pt.counts is not None:  # [2, BH]: the offsets' counts, then the verticals' (at v_off)
+            u_cnt = v_cnt = pt.counts
+            v_off = BH
+        else:
+            u_cnt = (U < pt.big).sum(-1, dtype=i32).reshape(BH)
+            v_cnt = (V < pt.big).sum(-1, dtype=i32).reshape(BH) if NV else u_cnt
+            v_off = 0
         _LAUNCH_STEPS(
             (n_prog, BH, W),
             (q_pos, k_pos_steps, U, V if NV else dummy, u_cnt, v_cnt,
              *((f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm) if tiles else (dummy,) * 6),
              *((col_idx, col_bits) if do_cols else (dummy,) * 2),
-             Mq, Nk, Sk, L, NV, NC, J, pt.big, BH, n_col, n_blk_m,
+             Mq, Nk, Sk, L, NV, NC, J, pt.big, BH, v_off, n_col, n_blk_m,
              *_search_steps(Mq), *_search_steps(Nk), *_search_steps(Sk), *_search_steps(L)),
             # (BLOCK_L only matters for the tile rows: fixed without them)
             dict(T=T, TILES=tiles, COLUMNS=do_cols, BLOCK_M=BLOCK_M, BLOCK_L=_block_l(L) if tiles else 16,
                  CHUNK=COL_CHUNK, BLOCK_J=16),
         )
+    if not lead:
+        return [TileLists(T, T, f_idx, f_cnt, f_nm, b_idx, b_cnt, b_nm, col_idx, col_bits)]
     return [
         TileLists(T, T, f_idx[s], f_cnt[s], f_nm[s], b_idx[s], b_cnt[s], b_nm[s],
                   None if col_idx is None else col_idx[s], None if col_bits is None else col_bits[s])

@@ -82,10 +82,12 @@ class PatternTiles:
 
     Per ``[B, H]`` row: ``offsets`` the ascending computed tile offsets u >= 0 (global tile diagonals, see the module
     docstring, square tiles of ``tile``), ``verticals`` the sorted unique vertical positions; both padded with
-    ``big`` (larger than any entry).
+    ``big`` (larger than any entry). ``counts``: optionally, ``[2, B * H]`` int32, the number of real entries of each
+    row of ``offsets`` and of ``verticals`` (the list builder counts them itself where absent).
     """
 
     tile: int
     offsets: torch.Tensor  # [B, H, L] int64
     verticals: torch.Tensor  # [B, H, NV] int64
     big: int
+    counts: torch.Tensor | None = None

@@ -38,20 +38,28 @@ import triton.language as tl
 from .host import LOG2E
 from .launch import Launcher
 
-__all__ = ["blocks_are_runs", "probe_lse", "probe_scores"]
+__all__ = ["blocks_are_runs", "lse_parts_shape", "merge_lse_parts", "probe_lse", "probe_lse_parts", "probe_scores"]
 
 
 @triton.jit
-def _lse_kernel(Q, K, Pos, RowsPos, Mx, Sm,
-                S, n, Hkv, NCH,
+def _lse_kernel(Q, K, Pos, RowsPos, Mx, Sm, Zero,
+                S, n, Hkv, NCH, ZN,
                 sqb, sqh, sqn, sqd, skb, skh, sks, skd,
                 scale_log2,
                 HPG: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                BLOCKS: tl.constexpr, IEEE: tl.constexpr):
+                BLOCKS: tl.constexpr, IEEE: tl.constexpr, ZERO_ROWS: tl.constexpr):
     ch = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // Hkv
     kvh = pid % Hkv
+    if ZERO_ROWS > 0:  # the scores kernel's slash buffer: this program's rows, its chunk of their ZN entries
+        per = tl.cdiv(ZN, NCH)
+        zoffs = tl.arange(0, 1024)
+        for r in range(ZERO_ROWS):
+            base = Zero + (pid * ZERO_ROWS + r).to(tl.int64) * ZN
+            for z0 in range(ch * per, tl.minimum((ch + 1) * per, ZN), 1024):
+                tl.store(base + z0 + zoffs, tl.zeros([1024], tl.float32),
+                         mask=z0 + zoffs < tl.minimum((ch + 1) * per, ZN))
     rows = tl.arange(0, NP)
     dd = tl.arange(0, DP)
     cols = tl.arange(0, BK)
@@ -101,12 +109,29 @@ def _emit(a, Vert, Slash, g, b, G, S, N, kidx, kok, off0,
 
 
 @triton.jit
-def _scores_kernel(Q, K, Pos, RowsPos, Lse2, Vert, Slash,
-                   S, N, n, H, Hkv, G,
+def _row_lse2(Mx, Sm, b, h, P, NCH, sw, spc, spb, sph, rows, row_ok, NP: tl.constexpr):
+    """The log2-domain log-sum-exp of each probe row from the normaliser's partials ``(max, sum of exp2)``: P of them
+    per row (NCH chunks of keys on each rank), merged in rank then chunk order by every program that needs the row."""
+    top = tl.full([NP], float("-inf"), tl.float32)
+    for p in range(P):
+        off = (p // NCH) * sw + (p % NCH) * spc + b * spb + h * sph
+        top = tl.maximum(top, tl.load(Mx + off + rows, mask=row_ok, other=float("-inf")))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([NP], tl.float32)
+    for p in range(P):
+        off = (p // NCH) * sw + (p % NCH) * spc + b * spb + h * sph
+        mx = tl.load(Mx + off + rows, mask=row_ok, other=float("-inf"))
+        total += tl.load(Sm + off + rows, mask=row_ok, other=0.0) * tl.exp2(mx - safe)
+    return safe + tl.log2(total)  # -inf for a row that sees no key (then no pair of it is visible)
+
+
+@triton.jit
+def _scores_kernel(Q, K, Pos, RowsPos, Lse2, Mx, Sm, Vert, Slash,
+                   S, N, n, H, Hkv, G, P, NCH, sw, spc, spb, sph,
                    sqb, sqh, sqn, sqd, skb, skh, sks, skd,
                    scale_log2,
                    HPG: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   CP: tl.constexpr, KV_SUM: tl.constexpr, IEEE: tl.constexpr):
+                   CP: tl.constexpr, KV_SUM: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr):
     t = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // Hkv
@@ -128,7 +153,10 @@ def _scores_kernel(Q, K, Pos, RowsPos, Lse2, Vert, Slash,
         h = kvh * HPG + hh
         q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dd[None, :] * sqd,
                     mask=row_ok[:, None] & (dd[None, :] < D), other=0.0)
-        lse = tl.load(Lse2 + (b * H + h) * n + rows, mask=row_ok, other=0.0)
+        if PARTS:
+            lse = _row_lse2(Mx, Sm, b, h, P, NCH, sw, spc, spb, sph, rows, row_ok, NP)
+        else:
+            lse = tl.load(Lse2 + (b * H + h) * n + rows, mask=row_ok, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(kt), input_precision="ieee")
         else:
@@ -165,24 +193,47 @@ def _shape_consts(q_rows: torch.Tensor, block: int) -> dict:
                 IEEE=q_rows.dtype == torch.float32)
 
 
-def probe_lse(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos: torch.Tensor, scale: float,
-              block: int = 128, blocks_per_program: int = 8) -> torch.Tensor:
-    """Natural-log ``logsumexp_j(scale * q_i . k_j)`` over this rank's keys visible to each probe row.
+def probe_lse_parts(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos: torch.Tensor, scale: float,
+                    block: int = 128, blocks_per_program: int = 8, zero: torch.Tensor | None = None,
+                    parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normaliser's partials of each probe row over this rank's keys: ``(max, sum)`` ``[B, H, P, NP]`` float32
+    in the log2 domain (``max_j s_ij * log2e`` and ``sum_j exp2(s_ij * log2e - max)`` over chunk p of the keys; rows
+    beyond n are padding), one launch. :func:`merge_lse_parts` or :func:`probe_scores` merge them; over several ranks,
+    stack every rank's along P first.
 
-    ``q_rows [B, H, n, D]`` probe queries, ``k [B, Hkv, S, D]`` (same dtype), ``pos [S]`` and ``rows_pos [B, n]``
-    global positions (int64). Returns ``[B, H, n]`` float32; -inf for a row that sees none of these keys.
-    """
+    ``zero``: a float32 ``[B, G, Z]`` buffer (G = H or Hkv, unit last stride, contiguous rows) the launch also fills
+    with zeros, so that :func:`probe_scores` can add its slash sums into it without a launch of its own. ``parts``: the
+    two output buffers to fill (see :func:`lse_parts_shape`)."""
     B, H, n, _ = q_rows.shape
     Hkv, S = k.shape[1], k.shape[2]
+    nch, per = _chunks(S, block, blocks_per_program)
+    c = _shape_consts(q_rows, block)
+    if parts is None:
+        mx = torch.empty(B, H, nch, c["NP"], dtype=torch.float32, device=q_rows.device)
+        parts = (mx, torch.empty_like(mx))
+    mx, sm = parts
+    zero_rows = 0 if zero is None else zero.shape[0] * zero.shape[1] // (B * Hkv)
+    _LAUNCH_LSE((nch, B * Hkv),
+                (q_rows, k, pos, rows_pos, mx, sm, zero if zero is not None else mx, S, n, Hkv, nch,
+                 zero.shape[-1] if zero is not None else 0, *q_rows.stride(), *k.stride(), scale * LOG2E),
+                dict(HPG=H // Hkv, BLOCKS=per, ZERO_ROWS=zero_rows, num_warps=4, **c))
+    return mx, sm
+
+
+def lse_parts_shape(q_rows_shape, keys: int, block: int = 128, blocks_per_program: int = 8) -> tuple[int, ...]:
+    """The shape of :func:`probe_lse_parts`' outputs for probe rows ``[B, H, n, D]`` and ``keys`` keys."""
+    B, H, n, _ = q_rows_shape
+    return (B, H, _chunks(keys, block, blocks_per_program)[0], max(16, triton.next_power_of_2(n)))
+
+
+def _chunks(S: int, block: int, blocks_per_program: int) -> tuple[int, int]:
     nb = triton.cdiv(S, block)
     per = max(1, min(blocks_per_program, nb))
-    nch = triton.cdiv(nb, per)
-    c = _shape_consts(q_rows, block)
-    mx = torch.empty(B, H, nch, c["NP"], dtype=torch.float32, device=q_rows.device)
-    sm = torch.empty_like(mx)
-    _LAUNCH_LSE((nch, B * Hkv),
-                (q_rows, k, pos, rows_pos, mx, sm, S, n, Hkv, nch, *q_rows.stride(), *k.stride(), scale * LOG2E),
-                dict(HPG=H // Hkv, BLOCKS=per, num_warps=4, **c))
+    return triton.cdiv(nb, per), per
+
+
+def merge_lse_parts(mx: torch.Tensor, sm: torch.Tensor, n: int) -> torch.Tensor:
+    """Natural-log log-sum-exp ``[B, H, n]`` of each row from its partials ``[B, H, P, NP]`` (torch)."""
     mx, sm = mx[..., :n], sm[..., :n]
     top = mx.amax(2)  # [B, H, n]
     top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -190,13 +241,28 @@ def probe_lse(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos
     return (top_safe + torch.log2(total)) / LOG2E  # log2(0) = -inf for rows without visible keys
 
 
+def probe_lse(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos: torch.Tensor, scale: float,
+              block: int = 128, blocks_per_program: int = 8) -> torch.Tensor:
+    """Natural-log ``logsumexp_j(scale * q_i . k_j)`` over this rank's keys visible to each probe row.
+
+    ``q_rows [B, H, n, D]`` probe queries, ``k [B, Hkv, S, D]`` (same dtype), ``pos [S]`` and ``rows_pos [B, n]``
+    global positions (int64). Returns ``[B, H, n]`` float32; -inf for a row that sees none of these keys.
+    """
+    mx, sm = probe_lse_parts(q_rows, k, pos, rows_pos, scale, block, blocks_per_program)
+    return merge_lse_parts(mx, sm, q_rows.shape[2])
+
+
 def probe_scores(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_pos: torch.Tensor,
-                 lse: torch.Tensor, scale: float, kv_sum: bool, n_total: int, block: int = 128):
+                 lse: torch.Tensor | tuple[torch.Tensor, torch.Tensor], scale: float, kv_sum: bool, n_total: int,
+                 block: int = 128, vert: torch.Tensor | None = None, slash: torch.Tensor | None = None):
     """Vertical scores ``[B, G, S]`` (this rank's keys, local order) and slash partial sums ``[B, G, n_total]``
     (every offset, this rank's keys' share) of ``A = exp(scale * q k^T - lse)`` on the visible pairs, float32.
 
-    ``lse [B, H, n]`` the global normaliser of each probe row; ``kv_sum``: G = Hkv and the A of a KV group's query
-    heads are summed, else G = H. Requires :func:`blocks_are_runs` (``pos``, ``block``) and ``n <= block + 1``.
+    ``lse``: the global normaliser of each probe row, ``[B, H, n]`` (natural log), or the partials ``(max, sum)`` of
+    :func:`probe_lse_parts`, ``[B, H, P, NP]`` or every rank's ``[W, B, H, P, NP]``, which the kernel merges itself;
+    ``kv_sum``: G = Hkv and the A of a KV group's query heads are summed, else G = H. ``vert``: a buffer for the
+    vertical scores; ``slash``: a buffer for the slash sums already filled with zeros (:func:`probe_lse_parts`'s
+    ``zero``), else a new zeroed one. Requires :func:`blocks_are_runs` (``pos``, ``block``) and ``n <= block + 1``.
     """
     B, H, n, _ = q_rows.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -205,11 +271,23 @@ def probe_scores(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, rows_
     G = Hkv if kv_sum else H
     c = _shape_consts(q_rows, block)
     cp = triton.next_power_of_2(block + c["NP"] - 1)
-    vert = torch.empty(B, G, S, dtype=torch.float32, device=q_rows.device)
-    slash = torch.zeros(B, G, n_total, dtype=torch.float32, device=q_rows.device)
-    lse2 = (lse.to(torch.float32) * LOG2E).contiguous()
+    if vert is None:
+        vert = torch.empty(B, G, S, dtype=torch.float32, device=q_rows.device)
+    if slash is None:
+        slash = torch.zeros(B, G, n_total, dtype=torch.float32, device=q_rows.device)
+    if isinstance(lse, tuple):
+        mx, sm = lse
+        if mx.dim() == 4:
+            mx, sm = mx[None], sm[None]
+        if mx.stride() != sm.stride() or mx.stride(-1) != 1:
+            raise ValueError("probe_scores: the normaliser's partials must share their strides, unit last stride")
+        lse2, parts = mx, (mx, sm, mx.shape[0] * mx.shape[3], mx.shape[3], mx.stride(0), mx.stride(3),
+                           mx.stride(1), mx.stride(2))
+    else:
+        lse2 = (lse.to(torch.float32) * LOG2E).contiguous()
+        parts = (lse2, lse2, 0, 1, 0, 0, 0, 0)
     _LAUNCH_SCORES((triton.cdiv(S, block), B * Hkv),
-                   (q_rows, k, pos, rows_pos, lse2, vert, slash, S, n_total, n, H, Hkv, G, *q_rows.stride(),
-                    *k.stride(), scale * LOG2E),
-                   dict(HPG=H // Hkv, CP=cp, KV_SUM=kv_sum, num_warps=4, **c))
+                   (q_rows, k, pos, rows_pos, lse2, parts[0], parts[1], vert, slash, S, n_total, n, H, Hkv, G,
+                    *parts[2:], *q_rows.stride(), *k.stride(), scale * LOG2E),
+                   dict(HPG=H // Hkv, CP=cp, KV_SUM=kv_sum, PARTS=isinstance(lse, tuple), num_warps=4, **c))
     return vert, slash
