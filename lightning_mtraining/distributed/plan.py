@@ -40,6 +40,13 @@ class ContextParallelPlan:
     # each layer's sparsity for this forward (the schedule's decision, made when the forward begins): compiled layers
     # read it here, so their graphs do not hold the step count (a recompile every step)
     layer_configs: dict[int, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # the straight path's plans (lightning_mtraining.ring.straight.StraightPlan), by the batch's shapes and lengths:
+    # settled once, reused by every layer and by later batches of the same shape
+    straight: dict[tuple, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # whether sparse layers take the straight path where it applies, and its kernels ("auto": Triton on CUDA, torch
+    # elsewhere; "triton" also runs them elsewhere, in the Triton interpreter: tests and op counts)
+    straight_path: bool = dataclasses.field(default=True, compare=False)
+    kernels: str = dataclasses.field(default="auto", compare=False)
 
     def __post_init__(self) -> None:
         track_plan(self, self.uid)
@@ -51,6 +58,11 @@ class ContextParallelPlan:
             self.schedule.begin_forward(training=training)
             for layer_idx in self.layer_ids:  # in place: the dict compiled layers read stays the same object
                 self.layer_configs[layer_idx] = self.schedule.config_for(layer_idx)
+
+    def end_forward(self) -> None:
+        """The model's forward ended (the model hook calls it)."""
+        if self.schedule is not None:
+            self.schedule.end_forward()
 
     @property
     def inner_size(self) -> int:

@@ -22,6 +22,7 @@ from lightning_mtraining.ring.attention import ring_attention
 from lightning_mtraining.ring.dense_op import dense_ring_attention
 from lightning_mtraining.ring.setup import resolve_pattern
 from lightning_mtraining.ring.sparse_op import estimate_pattern_op, sparse_ring_attention
+from lightning_mtraining.ring.straight import Kernels, LayerRun, StraightPlan
 from lightning_mtraining.sparsity.estimation import attention_recall
 from lightning_mtraining.sparsity.pattern import LayerPattern, PendingLayerPattern, read_later_on
 
@@ -170,7 +171,78 @@ def ring_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+_STRAIGHT_PLANS = 4  # batch shapes whose straight plans a ContextParallelPlan keeps
+
+
+def _straight_plan(cfg: RingAttentionConfig, query: torch.Tensor, key: torch.Tensor,
+                   lengths: tuple[int, ...]) -> StraightPlan:
+    """The batch's :class:`~lightning_mtraining.ring.straight.StraightPlan`, made by the first layer that needs it and
+    kept for later layers and batches of the same shapes and lengths (a few, most recent last)."""
+    plan = cfg.plan
+    assert plan is not None
+    kernels: Kernels = "triton" if plan.kernels == "triton" or (plan.kernels == "auto" and query.is_cuda) else "torch"
+    key_ = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, lengths, kernels)
+    found = plan.straight.pop(key_, None)
+    if found is None:
+        found = StraightPlan(query, key, lengths=lengths, group=cfg.group, inner_group=cfg.inner_group,
+                             outer_group=cfg.outer_group, layout=cfg.layout, block_size=cfg.block_size,
+                             kernels=kernels)
+        while len(plan.straight) >= _STRAIGHT_PLANS:
+            plan.straight.pop(next(iter(plan.straight)))
+    plan.straight[key_] = found
+    return found
+
+
+def _straight(module, cfg: RingAttentionConfig, query, key, value, scaling) -> torch.Tensor | None:
+    """The layer's sparse attention on the straight path (Note [The straight path] in
+    :mod:`lightning_mtraining.ring.straight`), or None where the general path runs it: a dense layer now, packed
+    documents, sequences shorter than the probes, no schedule (a bare prepared model)."""
+    plan = cfg.plan
+    schedule = plan.schedule if plan is not None else None
+    if schedule is None or not plan.straight_path or plan.current is None or plan.current.doc_start is not None:
+        return None
+    layer_idx = getattr(module, "layer_idx", None)
+    config = schedule.config_for(layer_idx)
+    if config is None:
+        return None
+    B = query.shape[0]
+    n_total = query.shape[2] * cfg.cp_size
+    lengths = tuple(plan.current.lengths) if plan.current.lengths else (n_total,) * B
+    if min(lengths) < config.last_q:
+        return None
+    straight = _straight_plan(cfg, query, key, lengths)
+
+    def make() -> LayerRun:
+        heads = schedule.dense_heads(layer_idx)
+        run = straight.layer(query, key, config, layer_idx, scaling,
+                             None if heads is None else tuple(heads for _ in range(B)))
+        if run.estimate.decided is not None and layer_idx is not None:
+            schedule.note_decision(layer_idx, run.estimate.decided)
+        return run
+
+    run, new = schedule.pattern_for(layer_idx, make)
+    if new and schedule.measuring and layer_idx is not None:  # a measured step reads its counts (host reads)
+        est = run.estimate
+        ran = None if est.dense is None else torch.tensor(est.dense, dtype=torch.bool)
+        layer = LayerPattern.ran(est.pattern, ran, est.allowed.cpu(), list(lengths), config.dense_above, n_total)
+        recall = None
+        if schedule.measuring_recall:
+            recall = attention_recall(query, key, est.pattern, rows=schedule.recall_rows, group=cfg.group,
+                                      layout=cfg.layout, block_size=cfg.block_size, seq_len=list(lengths),
+                                      scale=scaling)
+        schedule.record(layer_idx, layer, list(lengths), n_total, cfg.cp_size, cfg.layout, cfg.block_size,
+                        plan.inner_size, recall, config.dense_above)
+    if run.all_dense:  # every head decided dense in the last forward: the dense ring (SDPA at one rank)
+        return ring_attention(query, key, value, group=cfg.group, layout=cfg.layout, block_size=cfg.block_size,
+                              inner_group=cfg.inner_group, outer_group=cfg.outer_group, scale=scaling)
+    return straight.attend(query, key, value, run, scaling)
+
+
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
+    if window is None and softcap is None and not torch.compiler.is_compiling():
+        out = _straight(module, cfg, query, key, value, scaling)
+        if out is not None:
+            return out
     # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its
     # graph. Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
     # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward

@@ -343,6 +343,7 @@ class PreparedModel:
         return (), kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        self.plan.end_forward()
         scale, self._scale_loss = self._scale_loss, False
         current = self.plan.current
         if isinstance(output, dict):

@@ -279,6 +279,20 @@ class LayerPattern:
         return cls(pattern, _computed(pattern, outcome_of(dense), dense_d, seq_len), dense, allowed,
                    _causal_pairs(lens), lens, seq_len, float(dense_above))
 
+    @classmethod
+    def ran(cls, pattern: VerticalSlashPattern, dense: torch.Tensor | None, allowed: torch.Tensor,
+            lengths: list[int], dense_above: float | None, seq_len: int) -> LayerPattern:
+        """The record of what a layer ran when its dense heads were decided beforehand (the straight path of
+        :mod:`lightning_mtraining.ring.straight`): ``dense [B, G]`` bool on the host, the heads that ran dense (None:
+        none); ``allowed [B, G]`` the pattern's pair counts (on the host)."""
+        lens = tuple(int(x) for x in lengths)
+        mask = dense if dense is not None else torch.zeros(allowed.shape, dtype=torch.bool)
+        outcome = outcome_of(mask)
+        computed = None if outcome == "dense" else pattern if outcome == "sparse" else with_dense_heads(
+            pattern, mask.to(pattern.device), seq_len)
+        return cls(pattern, computed, mask, allowed, _causal_pairs(lens), lens, seq_len,
+                   None if dense_above is None else float(dense_above))
+
     @property
     def outcome(self) -> Outcome:
         """``"sparse"`` (no head runs dense), ``"mixed"`` or ``"dense"`` (every head does)."""

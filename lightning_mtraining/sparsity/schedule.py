@@ -94,6 +94,11 @@ class AttentionSchedule:
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
         self._patterns: dict[int, Any] = {}  # this forward's pattern (or LayerPattern record) per layer
         self._outcomes: dict[int, Outcome] = {}  # each layer's last dense decision (the next forward's guess)
+        # the straight path (Note [The straight path] in lightning_mtraining.ring.straight): this forward's decisions
+        # on the device, their copy to the host, and each layer's pattern heads that run dense in the next forward
+        self._decisions: dict[int, torch.Tensor] = {}
+        self._decisions_host: tuple[list[int], list[tuple[int, ...]], torch.Tensor, Any] | None = None
+        self._dense_heads: dict[int, tuple[bool, ...]] = {}
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
@@ -125,7 +130,9 @@ class AttentionSchedule:
         self.step = int(step)
 
     def begin_forward(self, training: bool) -> None:
-        """A new model forward: forget the last forward's patterns; measure on the logging steps' training passes."""
+        """A new model forward: forget the last forward's patterns (after reading its dense decisions); measure on
+        the logging steps' training passes."""
+        self._read_decisions()
         self._patterns.clear()
         every, recall_every = self.log_every_n_steps, self.recall_every_n_steps
         self._measuring = training and every > 0 and self.step % every == 0
@@ -146,6 +153,53 @@ class AttentionSchedule:
         self.estimations += 1
         self._patterns[layer_idx] = pattern
         return pattern, True
+
+    def note_decision(self, layer_idx: int, decided: torch.Tensor) -> None:
+        """This forward's decision of a layer (``[B, G]`` bool on the device: the pattern heads that allowed more than
+        ``dense_above`` of their causal pairs), for the layer's next forward (:meth:`dense_heads`)."""
+        self._decisions[layer_idx] = decided
+
+    def end_forward(self) -> None:
+        """The model's forward ended: start copying its decisions to the host (without waiting, on a GPU)."""
+        if not self._decisions or self._decisions_host is not None:
+            return
+        layers = list(self._decisions)
+        flags = [self._decisions[i] for i in layers]
+        flat = torch.cat([f.reshape(-1) for f in flags]).to(torch.int8)
+        self._decisions.clear()
+        event = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flat
+        self._decisions_host = (layers, [tuple(f.shape) for f in flags], host, event)
+
+    def _read_decisions(self) -> None:
+        """The last forward's decisions, on the host: each layer's pattern heads that run dense from now on (a head
+        decided dense in any batch row), and its outcome."""
+        self.end_forward()  # a forward the model hook did not see end
+        if self._decisions_host is None:
+            return
+        layers, shapes, host, event = self._decisions_host
+        self._decisions_host = None
+        if event is not None:
+            event.synchronize()
+        start = 0
+        for layer, shape in zip(layers, shapes):
+            size = shape[0] * shape[1]
+            heads = host[start:start + size].view(shape).bool().any(0)
+            start += size
+            self._dense_heads[layer] = tuple(bool(x) for x in heads.tolist())
+            self._outcomes[layer] = "dense" if bool(heads.all()) else "mixed" if bool(heads.any()) else "sparse"
+
+    def dense_heads(self, layer_idx: int | None) -> tuple[bool, ...] | None:
+        """The pattern heads of the layer that run dense in this forward: those the layer's last forward decided
+        dense (Note [The straight path] in :mod:`lightning_mtraining.ring.straight`); None when none does."""
+        found = self._dense_heads.get(layer_idx) if layer_idx is not None else None
+        return found if found is not None and any(found) else None
 
     def expected_outcome(self, layer_idx: int | None) -> Outcome:
         """The layer's dense decision in its last forward (``"sparse"`` before any): the guess a

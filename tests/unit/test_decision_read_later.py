@@ -119,10 +119,12 @@ def test_a_wrong_guess_name_is_refused():
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_a_checkpointed_layer_with_a_wrong_guess_trains(family, monkeypatch):
-    """Layer 0 has a head just above ``dense_above``: the first forward guesses "no head dense", runs the layer twice,
-    and the non-reentrant checkpoint's recompute (which matches saved tensors by order) replays both runs."""
+    """On the general path (packed documents, soft-capped layers): layer 0 has a head just above ``dense_above``: the
+    first forward guesses "no head dense", runs the layer twice, and the non-reentrant checkpoint's recompute (which
+    matches saved tensors by order) replays both runs."""
     monkeypatch.setattr(pattern_mod, "READ_LATER_ON", {"cpu", "cuda"})
-    record, runs = checkpointed_step_at_threshold(family, torch.device("cpu"), monkeypatch, measure=False)
+    record, runs = checkpointed_step_at_threshold(family, torch.device("cpu"), monkeypatch, measure=False,
+                                                  straight=False)
     assert runs is not None and len(runs) == 2  # the guess, then the decided pattern
     assert runs[-1] is record.computed and record.outcome == "mixed"
 
@@ -130,5 +132,6 @@ def test_a_checkpointed_layer_with_a_wrong_guess_trains(family, monkeypatch):
 def test_a_measured_step_reads_before_the_launch(monkeypatch):
     """A measured step (statistics) reads the decision before the ring runs: no guess is run at all."""
     monkeypatch.setattr(pattern_mod, "READ_LATER_ON", {"cpu", "cuda"})
-    record, runs = checkpointed_step_at_threshold("llama", torch.device("cpu"), monkeypatch, measure=True)
+    record, runs = checkpointed_step_at_threshold("llama", torch.device("cpu"), monkeypatch, measure=True,
+                                                  straight=False)
     assert runs is not None and len(runs) == 1 and runs[0] is record.computed

@@ -75,5 +75,6 @@ def test_the_record_carries_the_decision():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_a_checkpointed_bf16_layer_at_the_threshold_takes_one_path(family, monkeypatch):
-    checkpointed_step_at_threshold(family, torch.device("cpu"), monkeypatch)
+@pytest.mark.parametrize("straight", [True, False])
+def test_a_checkpointed_bf16_layer_at_the_threshold_takes_one_path(family, straight, monkeypatch):
+    checkpointed_step_at_threshold(family, torch.device("cpu"), monkeypatch, straight=straight)

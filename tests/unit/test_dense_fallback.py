@@ -1,6 +1,8 @@
 """``SparsityConfig.dense_above``: a pattern head whose estimated pattern allows more than that share of its causal
-pairs computes dense attention in that forward (where the sparse kernels cost more than the dense one), a layer whose
-every head does runs the dense ring, and the metrics say so.
+pairs computes dense attention (where the sparse kernels cost more than the dense one), a layer whose every head does
+runs the dense ring, and the metrics say so. Under the strategies' attention a forward's decision applies from the
+layer's next forward (Note [The straight path] in ``lightning_mtraining.ring.straight``); ``ring_attention`` given a
+config or ``dense_above`` decides in the same call.
 
 Every path is exact: a layer whose heads all fall back makes the same ring call as a dense layer (bit-identical), a
 layer below the threshold computes exactly its pattern (bit-identical to ``dense_above=None``), and in a mixed layer
@@ -24,6 +26,7 @@ CFG = dict(top_p=0.9, last_q=8, sink_tokens=2, local_window=16, tile_size=16, ma
 
 
 def _run(sparsity):
+    """The second of two forwards of the same batch (the first decided which heads the second runs dense)."""
     from lightning_mtraining import apply_context_parallel
 
     model = make_model("qwen2", seed=0).double()
@@ -31,8 +34,28 @@ def _run(sparsity):
     if handle.schedule is not None:  # None when every layer is dense
         handle.schedule.log_every_n_steps = 1  # measure the forward
     x = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    model(**handle.shard({"input_ids": x}))
     logits = model(**handle.shard({"input_ids": x})).logits
     return logits.detach(), handle.attention_metrics(), handle.schedule
+
+
+def test_a_forward_decides_the_next_one():
+    """The first forward runs every head sparse (no decision yet) and decides; the second runs the decided heads
+    dense: its output differs from the first exactly where that changes the attention."""
+    from lightning_mtraining import SparsityConfig, apply_context_parallel
+
+    model = make_model("qwen2", seed=0).double()
+    handle = apply_context_parallel(model, block_size=16, sparsity=SparsityConfig(**CFG, dense_above=0.5),
+                                    fused_loss=False)
+    handle.schedule.log_every_n_steps = 1
+    x = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    first = model(**handle.shard({"input_ids": x})).logits.detach()
+    assert handle.attention_metrics()["attention/dense_heads"] == 0.0  # nothing decided before the first forward
+    second = model(**handle.shard({"input_ids": x})).logits.detach()
+    assert handle.attention_metrics()["attention/dense_heads"] == 7 / 8
+    sparse, _, _ = _run(SparsityConfig(**CFG, dense_above=None))
+    assert torch.equal(first, sparse)  # the first forward ran the patterns as estimated
+    assert (second - first).abs().max() > 1e-3
 
 
 def test_a_pattern_covering_most_pairs_runs_dense_exactly():

@@ -87,8 +87,9 @@ def test_one_rank_runs_sdpa_with_its_own_autograd(monkeypatch):
 
 
 def test_dense_layers_of_the_sparse_strategy_at_one_rank_call_sdpa(monkeypatch):
-    """A layer that runs dense under sparse attention (a dense layer, or every head above dense_above) makes the SDPA
-    call strategy='mtraining_dense' keeps at one rank, and gives its result."""
+    """A layer that runs dense under sparse attention (a dense layer, or every head above dense_above, from the
+    forward after the one that decided it) makes the SDPA call strategy='mtraining_dense' keeps at one rank, and gives
+    its result."""
     from lightning_mtraining import SparsityConfig, apply_context_parallel
 
     calls = []
@@ -103,6 +104,7 @@ def test_dense_layers_of_the_sparse_strategy_at_one_rank_call_sdpa(monkeypatch):
                          dense_above=0.0)  # every head "too dense": every layer runs dense
     model = make_model("qwen2", seed=0).double()
     handle = apply_context_parallel(model, block_size=16, sparsity=cfg, fused_loss=False)
+    model(**handle.shard({"input_ids": x}))  # decides: every head dense from the next forward on
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     got = model(**handle.shard({"input_ids": x})).logits
     assert calls == [True] * model.config.num_hidden_layers
