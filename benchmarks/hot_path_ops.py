@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 VARIANTS = ("dense", "topk", "topp")
-PHASES = ("forward", "recompute", "backward")
+PHASES = ("forward", "recompute", "backward")  # per layer; "step": once a forward, before the layers
 
 
 @contextlib.contextmanager
@@ -89,8 +89,9 @@ class Layer:
 
 
 def make_layer(variant: str, tokens: int = 1024, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-               tile: int = 64) -> Layer:
-    """The first attention module of a one-layer Llama prepared for ``variant`` on one process, its batch sharded."""
+               tile: int = 64, device: str = "cpu", sparsity=None) -> Layer:
+    """The first attention module of a one-layer Llama prepared for ``variant`` (or the config ``sparsity``) on one
+    process, its batch sharded, on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_mtraining.hf.parallel import apply_context_parallel
@@ -99,19 +100,20 @@ def make_layer(variant: str, tokens: int = 1024, heads: int = 9, kv_heads: int =
                                   num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                   max_position_embeddings=tokens, attn_implementation="eager")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float()
-    cp = apply_context_parallel(model, sparsity=sparsity_of(variant, tile), block_size=tile, fused_loss=False)
-    cp.shard({"input_ids": torch.randint(0, 64, (1, tokens))})
+    model = AutoModelForCausalLM.from_config(config).float().to(device)
+    cp = apply_context_parallel(model, sparsity=sparsity if sparsity is not None else sparsity_of(variant, tile),
+                                block_size=tile, fused_loss=False)
+    cp.shard({"input_ids": torch.randint(0, 64, (1, tokens), device=device)})
     if cp.schedule is not None:
         cp.schedule.set_step(1)  # not a logging step (those read the statistics on the host)
     module = model.model.layers[0].self_attn
     return Layer(module, cp, tokens, heads, kv_heads, head_dim)
 
 
-def layer_step(layer: Layer, counts=None, seed: int = 0) -> torch.Tensor:
-    """One training step of the layer's attention: forward under non-reentrant checkpointing, then backward (which
-    recomputes the forward); labelled phases in ``counts`` (an :class:`~lightning_mtraining.core.op_count.OpCounts`)
-    when given. Returns the output."""
+def layer_step(layer: Layer, counts=None, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One training step of the layer's attention on ``dtype`` inputs: forward under non-reentrant checkpointing, then
+    backward (which recomputes the forward); labelled phases in ``counts`` (an
+    :class:`~lightning_mtraining.core.op_count.OpCounts`) when given. Returns the output."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_mtraining.hf.attention import CONFIG_ATTR, ring_attention_forward
@@ -123,11 +125,13 @@ def layer_step(layer: Layer, counts=None, seed: int = 0) -> torch.Tensor:
         attention = ring_attention_forward
     g = torch.Generator().manual_seed(seed)
     B, H, Hkv, N, D = 1, layer.heads, layer.kv_heads, layer.tokens, layer.head_dim
-    q, k, v = (torch.randn(B, h, N, D, generator=g).requires_grad_() for h in (H, Hkv, Hkv))
-    grad = torch.randn(B, N, H, D, generator=g)
-    layer.cp.plan.begin_forward(training=True)
+    device = next(layer.module.parameters()).device
+    q, k, v = (torch.randn(B, h, N, D, generator=g).to(device, dtype).requires_grad_() for h in (H, Hkv, Hkv))
+    grad = torch.randn(B, N, H, D, generator=g).to(device, dtype)
     calls = []
     phase = counts.phase if counts is not None else (lambda name: contextlib.nullcontext())
+    with phase("step"):  # what a model's forward does once, before its layers (the last forward's decisions read)
+        layer.cp.plan.begin_forward(training=True)
 
     def attend(q, k, v):
         name = "forward" if not calls else "recompute"

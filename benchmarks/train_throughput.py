@@ -197,6 +197,8 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
 
     compiled = args.compile == "on"
     compile_kwargs = {"fullgraph": True}
+    if compiled:
+        args.count_ops = False  # torch.compile refuses to run under a dispatch mode
 
     cuda = not args.cpu_smoke
     shape = dict(SMOKE if args.cpu_smoke else QWEN_3B)
@@ -255,8 +257,38 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             self.sync_log = None
             self.sync_records: list = []
             self.syncs: int | None = None
+            self.host_s = 0.0  # host time inside the attention function (forward and recompute), this step
+            self.host_steps: list[float] = []
+            self.ops = None
+            self.op_counts: dict | None = None
+
+        def on_train_start(self, trainer, pl_module):
+            plan = getattr(trainer.strategy, "plan", None)
+            if plan is not None and hasattr(plan, "straight_path"):
+                plan.straight_path = args.path == "straight"
+            if compiled:  # a compiled layer traces the attention function: no host timer in it
+                return
+            from transformers import AttentionInterface
+
+            from lightning_mtraining.hf.attention import ATTENTION_NAME, ring_attention_forward
+
+            def timed(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return ring_attention_forward(*a, **kw)
+                finally:
+                    self.host_s += time.perf_counter() - t0
+
+            AttentionInterface.register(ATTENTION_NAME, timed)
 
         def on_train_batch_start(self, trainer, *a):
+            self.host_s = 0.0
+            if args.count_ops and len(self.times) == args.warmup + args.steps + (1 if args.count_syncs else 0) + (
+                    1 if args.split else 0):
+                from lightning_mtraining.core.op_count import count_ops
+
+                self.ops = count_ops()
+                self.counting = self.ops.__enter__()
             if cuda and args.count_syncs and len(self.times) == args.warmup + args.steps:
                 # the step after the timed ones counts the host syncs (each raises a warning in this mode)
                 self.sync_log = warnings.catch_warnings()
@@ -287,6 +319,12 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            self.host_steps.append(self.host_s)
+            if self.ops is not None:
+                self.ops.__exit__(None, None, None)
+                self.ops = None
+                self.op_counts = self.counting.as_dict()
+                return
             if self.sync_log is not None:
                 torch.cuda.set_sync_debug_mode(0)
                 self.syncs = len(self.sync_records)
@@ -315,11 +353,13 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
                                  offload_activations=_offload(args.offload), tiled_mlp=args.tiled_mlp or None,
                                  compile=compile_kwargs if compiled else False)
 
-    extra = (1 if args.split else 0) + (1 if args.count_syncs and cuda else 0)  # the sync-counted, profiled steps
+    # the sync-counted, profiled and op-counted steps
+    extra = (1 if args.split else 0) + (1 if args.count_syncs and cuda else 0) + (1 if args.count_ops else 0)
     rows, failed = [], False
     for n in seqlens:
         label = f"sparse_topk {args.topk[0]}/{args.topk[1]}" if variant == "sparse_topk" else variant
         label += " compiled" if compiled else ""
+        label += " general" if args.path == "general" and variant.startswith("sparse") else ""
         label += " det" if args.deterministic else ""
         label += f" nonfinite={args.nonfinite_check}" if args.nonfinite_check != "raise" else ""
         row = {"variant": label, "N": n, "tiled_mlp": args.tiled_mlp, "offload": args.offload}
@@ -344,6 +384,15 @@ def run_variant(variant: str, seqlens: list[int], args) -> list[dict]:
             timed = clock.times[args.warmup:args.warmup + args.steps]
             step = statistics.median(timed)
             row.update(status="ok", step_s=step, steps_s=timed, tokens_per_s=n / step, **clock.metrics)
+            layers = module.model.config.num_hidden_layers
+            row.update(host_attention_ms_per_layer=1e3 * statistics.median(
+                clock.host_steps[args.warmup:args.warmup + args.steps]) / layers)
+            if isinstance(clock.op_counts, dict):
+                row.update(ops_per_step=sum(clock.op_counts["ops"].values()),
+                           launches_per_step=sum(clock.op_counts["launches"].values()),
+                           host_reads_per_step=sum(clock.op_counts["host_reads"].values()),
+                           top_ops=dict(sum((collections.Counter(per) for per in clock.op_counts["by_op"].values()),
+                                            collections.Counter()).most_common(12)))
             if clock.syncs is not None:
                 row.update(syncs_per_step=clock.syncs,
                            sync_sites=dict(collections.Counter(clock.sync_records).most_common(8)))
@@ -467,6 +516,13 @@ def main() -> None:
                     help="sparse_topk: vertical and slash budget per head")
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="compile every decoder layer (fullgraph); both: each variant eager, then compiled")
+    ap.add_argument("--paths", nargs="+", default=["straight"], choices=("straight", "general"),
+                    help="sparse variants: the straight path where it applies (the default), the general path, or "
+                         "both (each in its own process, rows labelled 'general' for the latter)")
+    ap.add_argument("--path", default="straight", help=argparse.SUPPRESS)  # internal: the path of --one
+    ap.add_argument("--count-ops", action="store_true",
+                    help="one more step under lightning_mtraining.core.op_count: ATen ops and launches per step "
+                         "(eager rows only: torch.compile refuses to run under a dispatch mode)")
     ap.add_argument("--count-syncs", action="store_true",
                     help="one more step with torch.cuda.set_sync_debug_mode('warn'): host syncs per step "
                          "(syncs_per_step) and where they happen (sync_sites)")
@@ -503,9 +559,11 @@ def main() -> None:
     print(info, flush=True)
     rows: list[dict] = []
     modes = ("off", "on") if args.compile == "both" else (args.compile,)
-    for v, mode in ((v, mode) for v in args.variants for mode in modes):
+    runs = [(v, mode, path) for v in args.variants for mode in modes
+            for path in (args.paths if v.startswith("sparse") else ["straight"])]
+    for v, mode, path in runs:
         lens = [n for n in args.seqlens if v not in caps or n <= int(caps[v])]
-        cmd = [sys.executable, __file__, "--one", v, "--compile", mode, "--seqlens", *map(str, lens),
+        cmd = [sys.executable, __file__, "--one", v, "--compile", mode, "--path", path, "--seqlens", *map(str, lens),
                "--layers", str(args.layers),
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--split" if args.split else "--no-split"]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
@@ -515,6 +573,7 @@ def main() -> None:
         cmd += ["--deterministic"] if args.deterministic else []
         cmd += ["--nonfinite-check", args.nonfinite_check]
         cmd += ["--count-syncs"] if args.count_syncs else []
+        cmd += ["--count-ops"] if args.count_ops else []
         cmd += ["--pretrained", args.pretrained] if args.pretrained else []
         cmd += ["--rope", args.rope] if args.rope else []
         t0 = time.time()

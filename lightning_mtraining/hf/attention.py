@@ -27,7 +27,7 @@ from lightning_mtraining.sparsity.estimation import attention_recall
 from lightning_mtraining.sparsity.pattern import LayerPattern, PendingLayerPattern, read_later_on
 
 __all__ = ["ATTENTION_NAME", "CONFIG_ATTR", "RingAttentionConfig", "attention_dropout_fields", "register_attention",
-           "ring_attention_forward"]
+           "ring_attention_forward", "track_straight_module"]
 
 ATTENTION_NAME = "mtraining_ring"
 CONFIG_ATTR = "_mtraining_ring"
@@ -193,35 +193,51 @@ def _straight_plan(cfg: RingAttentionConfig, query: torch.Tensor, key: torch.Ten
     return found
 
 
-def _straight(module, cfg: RingAttentionConfig, query, key, value, scaling) -> torch.Tensor | None:
-    """The layer's sparse attention on the straight path (Note [The straight path] in
-    :mod:`lightning_mtraining.ring.straight`), or None where the general path runs it: a dense layer now, packed
-    documents, sequences shorter than the probes, no schedule (a bare prepared model)."""
+def _straight_lengths(module, cfg: RingAttentionConfig, query) -> tuple[int, ...] | None:
+    """The batch's real lengths where the layer's sparse attention takes the straight path (Note [The straight path]
+    in :mod:`lightning_mtraining.ring.straight`), else None: the general path runs it (packed documents, sequences
+    shorter than the probes, no schedule: a bare prepared model) or the layer runs dense now. Host values only: a
+    compiled layer decides it while tracing."""
     plan = cfg.plan
     schedule = plan.schedule if plan is not None else None
     if schedule is None or not plan.straight_path or plan.current is None or plan.current.doc_start is not None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
-    config = schedule.config_for(layer_idx)
+    if torch.compiler.is_compiling():  # decided when the forward began (no step count in the graph)
+        config = plan.layer_configs.get(layer_idx) if layer_idx is not None else None
+    else:
+        config = schedule.config_for(layer_idx)
     if config is None:
         return None
-    B = query.shape[0]
     n_total = query.shape[2] * cfg.cp_size
-    lengths = tuple(plan.current.lengths) if plan.current.lengths else (n_total,) * B
-    if min(lengths) < config.last_q:
-        return None
+    lengths = tuple(plan.current.lengths) if plan.current.lengths else (n_total,) * query.shape[0]
+    return lengths if min(lengths) >= config.last_q else None
+
+
+def _straight_run(module, cfg: RingAttentionConfig, query, key, scaling,
+                  lengths: tuple[int, ...]) -> tuple[StraightPlan, LayerRun]:
+    """The batch's plan and the layer's :class:`~lightning_mtraining.ring.straight.LayerRun` for this forward: made by
+    the forward (the estimate with the dense heads the layer's last forward decided, the lists; this forward's
+    decision noted for the next), found again by a checkpointed recompute. A measured step also records the
+    statistics (host reads)."""
+    plan = cfg.plan
+    assert plan is not None and plan.schedule is not None
+    schedule = plan.schedule
+    layer_idx = getattr(module, "layer_idx", None)
+    config = schedule.config_for(layer_idx)
+    B, n_total = query.shape[0], query.shape[2] * cfg.cp_size
     straight = _straight_plan(cfg, query, key, lengths)
 
     def make() -> LayerRun:
         heads = schedule.dense_heads(layer_idx)
-        run = straight.layer(query, key, config, layer_idx, scaling,
-                             None if heads is None else tuple(heads for _ in range(B)))
-        if run.estimate.decided is not None and layer_idx is not None:
-            schedule.note_decision(layer_idx, run.estimate.decided)
-        return run
+        made = straight.layer(query, key, config, layer_idx, scaling,
+                              None if heads is None else tuple(heads for _ in range(B)))
+        if made.estimate.decided is not None and layer_idx is not None:
+            schedule.note_decision(layer_idx, made.estimate.decided)
+        return made
 
     run, new = schedule.pattern_for(layer_idx, make)
-    if new and schedule.measuring and layer_idx is not None:  # a measured step reads its counts (host reads)
+    if new and schedule.measuring and layer_idx is not None:
         est = run.estimate
         ran = None if est.dense is None else torch.tensor(est.dense, dtype=torch.bool)
         layer = LayerPattern.ran(est.pattern, ran, est.allowed.cpu(), list(lengths), config.dense_above, n_total)
@@ -232,17 +248,101 @@ def _straight(module, cfg: RingAttentionConfig, query, key, value, scaling) -> t
                                       scale=scaling)
         schedule.record(layer_idx, layer, list(lengths), n_total, cfg.cp_size, cfg.layout, cfg.block_size,
                         plan.inner_size, recall, config.dense_above)
+    return straight, run
+
+
+def _straight(module, cfg: RingAttentionConfig, query, key, value, scaling,
+              lengths: tuple[int, ...]) -> torch.Tensor:
+    """The layer's sparse attention on the straight path, eagerly."""
+    straight, run = _straight_run(module, cfg, query, key, scaling, lengths)
     if run.all_dense:  # every head decided dense in the last forward: the dense ring (SDPA at one rank)
         return ring_attention(query, key, value, group=cfg.group, layout=cfg.layout, block_size=cfg.block_size,
                               inner_group=cfg.inner_group, outer_group=cfg.outer_group, scale=scaling)
     return straight.attend(query, key, value, run, scaling)
 
 
+# The straight path as custom ops, for compiled layers (torch.compile keeps them whole in its graph; they run the
+# eager code inside). A layer is named by its RingAttentionConfig.layer_key ([plan uid, layer]); the forward op keeps
+# the batch's plan and the layer's run for the backward op, by that key (the latest forward's: a backward follows its
+# forward, and a checkpointed recompute finds the same run).
+_STRAIGHT_MODULES: dict[tuple[int, ...], Any] = {}  # layer key -> weak reference to the attention module
+_STRAIGHT_RUNS: dict[tuple[int, ...], tuple[StraightPlan, LayerRun]] = {}
+
+
+def track_straight_module(module: nn.Module, cfg: RingAttentionConfig) -> None:
+    """Let the compiled straight op find ``module`` (and its config) by its layer key."""
+    import weakref
+
+    if cfg.layer_key is not None:
+        _STRAIGHT_MODULES[tuple(int(x) for x in cfg.layer_key.tolist())] = weakref.ref(module)
+
+
+@torch.library.custom_op("mtraining::straight_forward", mutates_args=())
+def _straight_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from lightning_mtraining.ring.dense_op import outside_dispatch_mode
+
+    key = tuple(int(x) for x in layer_key.tolist())  # a CPU tensor: no device sync
+    module = _STRAIGHT_MODULES[key]()
+    cfg = getattr(module, CONFIG_ATTR)
+    with outside_dispatch_mode():
+        lengths = _straight_lengths(module, cfg, q)
+        assert lengths is not None  # decided while tracing; the batch's shape and lengths are guarded
+        straight, run = _straight_run(module, cfg, q, k, scale, lengths)
+        _STRAIGHT_RUNS[key] = (straight, run)
+        return straight.forward(q, k, v, run, scale)
+
+
+@_straight_forward_op.register_fake
+def _(q, k, v, layer_key, scale):
+    from lightning_mtraining.core.numerics import acc_dtype
+
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("mtraining::straight_backward", mutates_args=())
+def _straight_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, layer_key: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from lightning_mtraining.ring.dense_op import outside_dispatch_mode
+
+    straight, run = _STRAIGHT_RUNS[tuple(int(x) for x in layer_key.tolist())]
+    with outside_dispatch_mode():
+        dq, dk, dv = straight.backward(dout, q, k, v, out, lse, run, scale)
+    # dk and dv may be views of one buffer: an op's outputs may not alias each other
+    return dq.contiguous(), dk.clone() if dk._base is not None else dk, dv.clone() if dv._base is not None else dv
+
+
+@_straight_backward_op.register_fake
+def _(dout, q, k, v, out, lse, layer_key, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _straight_setup_context(ctx, inputs, output) -> None:
+    q, k, v, layer_key, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.layer_key, ctx.scale = layer_key, scale
+
+
+def _straight_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors  # (dlse unused: the op's callers take out only)
+    dq, dk, dv = _straight_backward_op(dout, q, k, v, out, lse, ctx.layer_key, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd(_straight_forward_op, _straight_backward, setup_context=_straight_setup_context)
+
+
 def _ring(module, cfg: RingAttentionConfig, query, key, value, scaling, window, softcap) -> torch.Tensor:
-    if window is None and softcap is None and not torch.compiler.is_compiling():
-        out = _straight(module, cfg, query, key, value, scaling)
-        if out is not None:
+    straight = _straight_lengths(module, cfg, query) if window is None and softcap is None else None
+    if straight is not None:
+        if torch.compiler.is_compiling():
+            from lightning_mtraining.core.numerics import default_scale
+
+            out, _ = _straight_forward_op(query, key, value, cfg.layer_key, default_scale(query.shape[-1], scaling))
             return out
+        return _straight(module, cfg, query, key, value, scaling, straight)
     # While torch.compile traces, every layer is custom ops (ring.dense_op, ring.sparse_op), which it keeps in its
     # graph. Eager: dense layers use the dense op from 2 ranks; one rank keeps ring_attention, whose single step runs
     # FlexAttention's own autograd on CUDA (no recomputed forward); sparse layers keep ring_attention, whose backward

@@ -46,6 +46,7 @@ from lightning_mtraining.hf.attention import (
     RingAttentionConfig,
     attention_dropout_fields,
     register_attention,
+    track_straight_module,
 )
 from lightning_mtraining.hf.losses import exact_group_loss
 
@@ -232,6 +233,7 @@ class PreparedModel:
                     plan.outer_group, plan, torch.tensor([plan.uid, _layer_number(m)], dtype=torch.int64),
                 ),
             )
+            track_straight_module(m, getattr(m, CONFIG_ATTR))
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, with_kwargs=True),

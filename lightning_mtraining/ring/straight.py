@@ -39,12 +39,18 @@ import torch
 import torch.distributed as dist
 
 from lightning_mtraining.core.layouts import check_attention_inputs, check_local_length
-from lightning_mtraining.core.numerics import default_scale
+from lightning_mtraining.core.numerics import acc_dtype, default_scale
 from lightning_mtraining.core.topology import RingTopology, resolve_topology
 from lightning_mtraining.ring.block_ops import BlockAttentionOp, TorchBlockOp
-from lightning_mtraining.ring.setup import check_sparse_layout, rank_positions
+from lightning_mtraining.ring.setup import check_sparse_layout, dense_setup, rank_positions
 from lightning_mtraining.ring.steps import StepLists
-from lightning_mtraining.ring.walk import RingAttentionFunction
+from lightning_mtraining.ring.walk import (
+    RingAttentionFunction,
+    gather_vertical_kv,
+    gathered_backward,
+    ring_backward,
+    ring_forward,
+)
 from lightning_mtraining.sparsity.batch_estimator import BatchEstimator, Estimate
 from lightning_mtraining.sparsity.config import SparsityConfig
 from mtraining_kernels.indexing import sorted_union, step_tile_lists, step_tile_lists_batched
@@ -165,3 +171,34 @@ class StraightPlan:
             return op.differentiable(q, k, v, self.q_pos, self.q_pos, scale, tiles=run.steps.lists[self.sources[0]])
         return RingAttentionFunction.apply(q, k, v, self.topo, self.positions, op, scale, run.steps, self.est_group,
                                            {}, None)
+
+    # --- the same as explicit passes, for a custom op (torch.compile: no autograd inside) ----------------------------
+
+    def _ring_args(self, q, k, v, run: LayerRun, scale: float):
+        if run.steps is None:  # every head dense: the dense ring (its fused kernel at one rank)
+            d = dense_setup(q, k, v, self.topo, self.layout, self.block_size, scale, None, None, None)
+            return d.positions, d.op, d.scale, None, d.variant, d.skips
+        assert run.op is not None
+        return self.positions, run.op, scale, run.steps, {}, None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: LayerRun,
+                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, H, S, D] in q's dtype, lse [B, H, S])`` of the layer's attention under ``run`` (the dense ring
+        where every head runs dense), without autograd; :meth:`backward` takes them."""
+        positions, op, scale, steps, variant, skips = self._ring_args(q, k, v, run, default_scale(q.shape[-1], scale))
+        (out, lse), _ = ring_forward(q, torch.stack([k, v]), self.topo, positions, op, scale, steps, self.est_group,
+                                      variant, skips)
+        return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, run: LayerRun, scale: float | None) -> tuple[torch.Tensor, ...]:
+        """``(dq, dk, dv)`` of :meth:`forward`'s attention given the output's gradient."""
+        positions, op, scale, steps, variant, skips = self._ring_args(q, k, v, run, default_scale(q.shape[-1], scale))
+        kv = torch.stack([k, v])
+        dq, dk, dv = ring_backward(dout.contiguous(), q, kv, out, lse, self.topo, positions, op, scale, steps, variant,
+                                    skips)
+        if steps is not None and steps.vert_pos is not None:  # Note [Gathered verticals] in walk.py: again
+            kv_v = gather_vertical_kv(kv, steps, self.est_group, self.topo.cp_size)
+            gathered_backward(dq, q, kv_v, out, lse, dout, positions[self.topo.cp_rank], steps, op, scale,
+                               self.est_group, self.topo.cp_size, dk, dv, variant)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -187,13 +187,12 @@ class AttentionSchedule:
         self._decisions_host = None
         if event is not None:
             event.synchronize()
-        start = 0
-        for layer, shape in zip(layers, shapes):
-            size = shape[0] * shape[1]
-            heads = host[start:start + size].view(shape).bool().any(0)
-            start += size
-            self._dense_heads[layer] = tuple(bool(x) for x in heads.tolist())
-            self._outcomes[layer] = "dense" if bool(heads.all()) else "mixed" if bool(heads.any()) else "sparse"
+        flat, start = host.tolist(), 0
+        for layer, (rows, heads) in zip(layers, shapes):
+            decided = [any(flat[start + b * heads + g] for b in range(rows)) for g in range(heads)]
+            start += rows * heads
+            self._dense_heads[layer] = tuple(decided)
+            self._outcomes[layer] = "dense" if all(decided) else "mixed" if any(decided) else "sparse"
 
     def dense_heads(self, layer_idx: int | None) -> tuple[bool, ...] | None:
         """The pattern heads of the layer that run dense in this forward: those the layer's last forward decided

@@ -153,7 +153,10 @@ def _layer_worker(rank: int, world_size: int, cases: list):
 def _check_layers(per_rank: list, cases: list) -> None:
     for found in per_rank:
         for name, _, _, sparsity, _ in cases:
-            (out, dh, dw, n_est), *rest = found[name]
+            # against the second eager forward: from then on every forward runs the heads the one before decided
+            # dense (the same batch: the same decision), compiled or not
+            first, (out, dh, dw, n_est), *rest = found[name]
+            assert first[3] == n_est
             for got_out, got_dh, got_dw, got_est in rest:
                 # float32; inductor fuses and reorders the layer's own ops (norms, MLP): relative to the largest
                 # value, ~1.5e-6 for this layer with transformers' own attention (same inputs, one process); the
