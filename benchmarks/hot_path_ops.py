@@ -9,11 +9,12 @@ shape (9 query heads on 3 KV heads, head dim 64) prepared by ``apply_context_par
 through the Hugging Face hook as the model would call it, inside non-reentrant activation checkpointing; the second
 of two steps is counted (the first fills the caches a run fills once).
 
-    TRITON_INTERPRET=1 python benchmarks/hot_path_ops.py --out runs/hot_path_ops.json
+    TRITON_INTERPRET=1 python benchmarks/hot_path_ops.py --paths straight general --out runs/hot_path_ops.json
 
-Prints one row per variant (ops / launches / host reads per phase) and the largest emitters; writes the full counts
-as JSON. ``--tokens`` changes the length (the counts should not move). ``tests/unit/test_hot_path_ops.py`` holds the
-sparse layer to its budget with the same harness.
+Prints one row per variant and path (ops / launches / host reads per phase; the straight path, Note [The straight
+path] in ``lightning_mtraining.ring.straight``, and the general one, which packed documents and soft-capped layers
+take) and the largest emitters; writes the full counts as JSON. ``--tokens`` changes the length (the counts should
+not move). ``tests/unit/test_straight_path.py`` holds the sparse layer to its budget with the same harness.
 """
 
 from __future__ import annotations
@@ -34,37 +35,32 @@ PHASES = ("forward", "recompute", "backward")  # per layer; "step": once a forwa
 
 @contextlib.contextmanager
 def gpu_path_on_cpu() -> Iterator[None]:
-    """Choose on CPU tensors what the package chooses on CUDA ones: the Triton scorer, the Triton list builders with
-    bounded widths, the Triton attention kernels (``TritonBlockOp``), the dense decision read after the launch."""
+    """Choose on CPU tensors what the package chooses on CUDA ones: the straight path's Triton kernels, and on the
+    general path (``--path general``) the Triton scorer, the Triton list builders with bounded widths and the Triton
+    attention kernels (``TritonBlockOp``)."""
     import lightning_mtraining.ring.attention as ring_attention
     import lightning_mtraining.ring.steps as steps
     import lightning_mtraining.sparsity.estimation as estimation
-    import lightning_mtraining.sparsity.pattern as pattern
     import mtraining_kernels.indexing as indexing
     from mtraining_kernels.vertical_slash import TritonBlockOp
 
-    saved = (estimation._SCORER, indexing._use_triton, ring_attention.sparse_block_op, set(pattern.READ_LATER_ON),
-             steps.prepare_pattern_tiles)
+    saved = (estimation._SCORER, indexing._use_triton, ring_attention.sparse_block_op, steps.prepare_pattern_tiles)
 
     def sparse_block_op(op, device, tile):
         return TritonBlockOp(tile, tile) if op is None else saved[2](op, device, tile)
 
     def bounded(*args, **kwargs):
         kwargs["widths"] = "bounded"
-        return saved[4](*args, **kwargs)
+        return saved[3](*args, **kwargs)
 
     estimation._SCORER = "triton"
     indexing._use_triton = lambda backend, x: backend != "torch"
     ring_attention.sparse_block_op = sparse_block_op
-    pattern.READ_LATER_ON.add("cpu")
     steps.prepare_pattern_tiles = bounded
     try:
         yield
     finally:
-        estimation._SCORER, indexing._use_triton, ring_attention.sparse_block_op = saved[:3]
-        pattern.READ_LATER_ON.clear()
-        pattern.READ_LATER_ON.update(saved[3])
-        steps.prepare_pattern_tiles = saved[4]
+        estimation._SCORER, indexing._use_triton, ring_attention.sparse_block_op, steps.prepare_pattern_tiles = saved
 
 
 def sparsity_of(variant: str, tile: int):
@@ -145,10 +141,12 @@ def layer_step(layer: Layer, counts=None, seed: int = 0, dtype: torch.dtype = to
     return out.detach()
 
 
-def count_variant(variant: str, tokens: int, **shape) -> dict:
+def count_variant(variant: str, tokens: int, path: str = "straight", **shape) -> dict:
     from lightning_mtraining.core.op_count import count_ops
 
     layer = make_layer(variant, tokens, **shape)
+    layer.cp.plan.kernels = "triton"  # the straight path's kernels as on CUDA
+    layer.cp.plan.straight_path = path == "straight"
     layer_step(layer)  # the first step fills what a run fills once (caches, compiled kernels)
     with count_ops() as counts:
         layer_step(layer, counts, seed=1)
@@ -159,6 +157,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--paths", nargs="+", default=["straight"], choices=("straight", "general"),
+                        help="sparse variants: the straight path, the general path, or both")
     parser.add_argument("--top", type=int, default=12, help="largest emitters printed per sparse variant")
     parser.add_argument("--out", default=None, help="write the counts here as JSON")
     args = parser.parse_args(argv)
@@ -172,15 +172,18 @@ def main(argv=None) -> int:
     rows = {}
     with gpu_path_on_cpu():
         for variant in args.variants:
-            rows[variant] = count_variant(variant, args.tokens)
+            for path in (args.paths if variant != "dense" else ["straight"]):
+                name = variant if path == "straight" else f"{variant} ({path})"
+                rows[name] = count_variant(variant, args.tokens, path)
     print(f"one attention layer's training step at {args.tokens} tokens (SmolLM2 head shape), the path a GPU takes")
-    print(f"{'variant':8} {'ops':>5} {'launches':>8} {'reads':>5}   " + "   ".join(f"{p} ops/launches" for p in PHASES))
+    print(f"{'variant':18} {'ops':>5} {'launches':>8} {'reads':>5}   "
+          + "   ".join(f"{p} ops/launches" for p in PHASES) + "   per forward (outside the layers)")
     for variant, c in rows.items():
-        total = sum(c["ops"].values())
-        launches = sum(c["launches"].values())
-        reads = sum(c["host_reads"].values())
+        total = sum(c["ops"].get(p, 0) for p in PHASES)
+        launches = sum(c["launches"].get(p, 0) for p in PHASES)
+        reads = sum(c["host_reads"].get(p, 0) for p in PHASES)
         per = "   ".join(f"{c['ops'].get(p, 0):>9}/{c['launches'].get(p, 0):<8}" for p in PHASES)
-        print(f"{variant:8} {total:>5} {launches:>8} {reads:>5}   {per}")
+        print(f"{variant:18} {total:>5} {launches:>8} {reads:>5}   {per}   {c['ops'].get('step', 0)} ops")
     for variant, c in rows.items():
         if variant == "dense":
             continue

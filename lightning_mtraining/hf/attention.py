@@ -24,7 +24,7 @@ from lightning_mtraining.ring.setup import resolve_pattern
 from lightning_mtraining.ring.sparse_op import estimate_pattern_op, sparse_ring_attention
 from lightning_mtraining.ring.straight import Kernels, LayerRun, StraightPlan
 from lightning_mtraining.sparsity.estimation import attention_recall
-from lightning_mtraining.sparsity.pattern import LayerPattern, PendingLayerPattern, read_later_on
+from lightning_mtraining.sparsity.pattern import LayerPattern
 
 __all__ = ["ATTENTION_NAME", "CONFIG_ATTR", "RingAttentionConfig", "attention_dropout_fields", "register_attention",
            "ring_attention_forward", "track_straight_module"]
@@ -52,10 +52,10 @@ class RingAttentionConfig:
 
 def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scaling,
                    as_op: bool = False) -> tuple[Any, float | None]:
-    """What this layer's ring attention runs now: ``(None, None)`` (dense) or the forward's
-    :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (the pattern with its dense heads decided once, under
-    the config's ``dense_above``; on a GPU a :class:`~lightning_mtraining.sparsity.pattern.PendingLayerPattern`, read
-    after the attention's launch) and that ``dense_above``; with ``as_op`` (while compiling) the estimate op's
+    """What this layer's ring attention runs now on the general path (packed documents, soft-capped layers):
+    ``(None, None)`` (dense) or the forward's :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (the
+    pattern with its dense heads decided once, in this forward, under the config's ``dense_above``: one host read)
+    and that ``dense_above``; with ``as_op`` (while compiling) the estimate op's
     ``(vertical_idx, slash_idx, tile_size)`` instead (the sparse ring op decides the dense heads itself, exactly, so
     its forward and backward agree).
 
@@ -93,12 +93,6 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
         found = resolve_pattern(query, key, sparsity, group=cfg.group, cp_size=cfg.cp_size, layout=cfg.layout,
                                 block_size=cfg.block_size, seq_len=lengths, scale=scaling, layer_idx=layer_idx,
                                 doc_start=doc_start)
-        if sparsity.dense_above is not None and schedule is not None and read_later_on(query.device):
-            # read after the attention's launch, guessing the layer's last outcome (Note [The decision read after
-            # the launch] in lightning_mtraining.sparsity.pattern)
-            return PendingLayerPattern(found, lengths, sparsity.dense_above, n_total,
-                                       guess=schedule.expected_outcome(layer_idx),
-                                       on_result=lambda outcome: schedule.note_outcome(layer_idx, outcome))
         return LayerPattern.decide(found, lengths, sparsity.dense_above, n_total)
 
     if schedule is None or as_op:
@@ -113,8 +107,7 @@ def _layer_pattern(module: nn.Module, cfg: RingAttentionConfig, query, key, scal
             recall = attention_recall(query, key, layer.estimated, rows=schedule.recall_rows, group=cfg.group,
                                       layout=cfg.layout, block_size=cfg.block_size, seq_len=lengths, scale=scaling,
                                       doc_start=doc_start)
-        decided = layer.result() if isinstance(layer, PendingLayerPattern) else layer  # a measured step reads now
-        schedule.record(layer_idx, decided, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
+        schedule.record(layer_idx, layer, lengths, n_total, cfg.cp_size, cfg.layout, cfg.block_size,
                         plan.inner_size, recall, sparsity.dense_above)
     return layer, sparsity.dense_above
 

@@ -24,7 +24,7 @@ from lightning_mtraining.ring.setup import (
 from lightning_mtraining.ring.steps import attention_variant, build_step_lists, document_skips
 from lightning_mtraining.ring.walk import RingAttentionFunction
 from lightning_mtraining.sparsity.config import SparsityConfig
-from lightning_mtraining.sparsity.pattern import LayerPattern, PendingLayerPattern, VerticalSlashPattern, real_lengths
+from lightning_mtraining.sparsity.pattern import LayerPattern, VerticalSlashPattern, real_lengths
 
 __all__ = ["ring_attention"]
 
@@ -37,7 +37,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "striped",
     block_size: int = 128,
-    sparsity: SparsityConfig | VerticalSlashPattern | LayerPattern | PendingLayerPattern | None = None,
+    sparsity: SparsityConfig | VerticalSlashPattern | LayerPattern | None = None,
     inner_group: dist.ProcessGroup | None = None,
     outer_group: dist.ProcessGroup | None = None,
     scale: float | None = None,
@@ -61,10 +61,7 @@ def ring_attention(
         sparsity: ``None`` for dense (exact) ring attention; a :class:`SparsityConfig` to estimate the pattern online
             (:func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`); a :class:`VerticalSlashPattern` to use
             as given; a :class:`~lightning_mtraining.sparsity.pattern.LayerPattern` (a pattern whose dense heads were
-            already decided) runs as decided, with no second check or decision; a
-            :class:`~lightning_mtraining.sparsity.pattern.PendingLayerPattern` (as the Hugging Face hook passes it on
-            a GPU) runs its guess at once and reads the decision after launching it, running the layer again in the
-            rare case the guess was not exact (Note [The decision read after the launch] there).
+            already decided) runs as decided, with no second check or decision.
             Sparse: the result equals ``sparse_attention(q, k, v, p.vertical_idx, p.slash_idx, block_size=p.tile_size)``
             on the unsharded tensors; every shard must hold whole T x T tiles (striped: ``block_size`` a multiple of T).
         inner_group, outer_group: intra-node and inter-node rings for hierarchical ring attention; CP ranks
@@ -129,7 +126,7 @@ def ring_attention(
             "besides inner_group and outer_group"
         )
     est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
-    if isinstance(sparsity, (LayerPattern, PendingLayerPattern)):  # decided once by the caller, for this forward
+    if isinstance(sparsity, LayerPattern):  # decided once by the caller, for this forward
         est = sparsity.estimated
         if sparsity.seq_len != n or est.batch_size != q.shape[0] or est.num_heads not in (q.shape[1], k.shape[1]):
             raise ValueError(
@@ -147,33 +144,16 @@ def ring_attention(
             dense_above = sparsity.dense_above
         layer = LayerPattern.decide(found, real_lengths(seq_len, q.shape[0], n), dense_above, n)
 
-    def run(pattern: VerticalSlashPattern | None) -> torch.Tensor:
-        if pattern is None:  # every head's pattern covers so much that dense attention is cheaper
-            return ring_attention(q, k, v, group=group, layout=layout, block_size=block_size,
-                                  inner_group=inner_group, outer_group=outer_group, scale=scale, softcap=softcap,
-                                  doc_start=given_docs)
-        op_ = variant_op(sparse_block_op(op, q.device, pattern.tile_size), None, softcap)
-        if doc_start is not None:
-            op_ = documents_op(op_, user_op)
-        gather = verticals if topo.cp_size > 1 else "arrival"  # one rank holds every vertical already
-        plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n, gather)
-        if topo.cp_size == 1 and hasattr(op_, "differentiable") and not plan.skip[0]:
-            return op_.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0], **variant)
-        return RingAttentionFunction.apply(q, k, v, topo, positions, op_, scale, plan, est_group, variant, doc_skips)
-
-    if not isinstance(layer, PendingLayerPattern):
-        return run(layer.computed)
-    if layer.runs is None:  # the forward: the guess at once, the decision read once its kernels are queued
-        runs = [layer.result().computed] if layer.resolved else [layer.computed]
-        out = run(runs[0])
-        decided = layer.result()
-        if decided.computed is not runs[0]:  # the guess was not exact for the decision: run the decided one
-            runs.append(decided.computed)
-            out = run(decided.computed)
-        layer.runs = runs
-        return out
-    # a checkpointed layer's recompute runs what the forward ran, in the same order (non-reentrant checkpointing
-    # matches the tensors the two passes save by their order)
-    for pattern in layer.runs:
-        out = run(pattern)
-    return out
+    pattern = layer.computed
+    if pattern is None:  # every head's pattern covers so much that dense attention is cheaper
+        return ring_attention(q, k, v, group=group, layout=layout, block_size=block_size,
+                              inner_group=inner_group, outer_group=outer_group, scale=scale, softcap=softcap,
+                              doc_start=given_docs)
+    op_ = variant_op(sparse_block_op(op, q.device, pattern.tile_size), None, softcap)
+    if doc_start is not None:
+        op_ = documents_op(op_, user_op)
+    gather = verticals if topo.cp_size > 1 else "arrival"  # one rank holds every vertical already
+    plan = build_step_lists(pattern, positions, topo.cp_rank, topo.sources(), q.shape[1], k.shape[1], n, gather)
+    if topo.cp_size == 1 and hasattr(op_, "differentiable") and not plan.skip[0]:
+        return op_.differentiable(q, k, v, positions[0], positions[0], scale, tiles=plan.lists[0], **variant)
+    return RingAttentionFunction.apply(q, k, v, topo, positions, op_, scale, plan, est_group, variant, doc_skips)

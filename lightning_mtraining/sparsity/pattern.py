@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from lightning_mtraining.core.checks import is_int
 
-__all__ = ["OUTCOMES", "LayerPattern", "Outcome", "PendingLayerPattern", "VerticalSlashPattern", "allowed_share",
-           "check_tile_size", "decide_dense_heads", "dense_heads", "head_pairs", "outcome_of", "read_later_on",
-           "real_lengths", "sparse_part", "with_dense_heads"]
+__all__ = ["OUTCOMES", "LayerPattern", "Outcome", "VerticalSlashPattern", "allowed_share", "check_tile_size",
+           "decide_dense_heads", "dense_heads", "head_pairs", "outcome_of", "real_lengths", "sparse_part",
+           "with_dense_heads"]
 
 # What a layer's dense decision comes to: no head dense, some heads dense, every head dense.
 Outcome = Literal["sparse", "mixed", "dense"]
@@ -335,101 +334,6 @@ def _computed(pattern: VerticalSlashPattern, outcome: Outcome, dense_d: torch.Te
     if outcome == "dense":
         return None
     return pattern if outcome == "sparse" else with_dense_heads(pattern, dense_d, seq_len)
-
-
-# Devices whose dense decision is read after the layer's attention is launched (PendingLayerPattern); elsewhere the
-# read costs nothing and the decision is read at once. Tests add "cpu" to run the deferred path on CPU tensors.
-READ_LATER_ON: set[str] = {"cuda"}
-
-
-def read_later_on(device: torch.device) -> bool:
-    """Whether a layer's dense decision on ``device`` is read after its attention is launched."""
-    return device.type in READ_LATER_ON
-
-
-class PendingLayerPattern:
-    """A layer's dense decision, computed on the device and read by the host only after the layer's attention was
-    launched, so that the GPU need not idle while the host waits for it (Note [The decision read after the launch]).
-
-    :attr:`computed` is what the ``guess`` (the layer's outcome in the previous forward,
-    :meth:`~lightning_mtraining.sparsity.schedule.AttentionSchedule.expected_outcome`) says to run; the ring runs it
-    at once, then :meth:`result` waits for the decision's copy (an event recorded before the attention's kernels, so
-    the GPU keeps working meanwhile) and returns the :class:`LayerPattern`. Its ``computed`` is the guessed one where
-    that computes the decided attention exactly (the guess was right, or it was ``"mixed"``: the pattern with the dense
-    heads made full is exact for every outcome); otherwise the ring runs the layer again with it.
-
-    Note [The decision read after the launch]
-    -----------------------------------------
-    Which heads of a layer run dense is a host decision (it picks the ring's dense op or the sparse kernels), and the
-    pair counts it compares live on the GPU. Read at once, the host waits for the GPU to finish everything queued up
-    to the estimator; the GPU then idles while the host launches the step lists and the attention (measured on an
-    H100: ~2.3 ms a sparse layer). Here the counts are copied to pinned host memory without blocking, the attention
-    the guess names is launched, and only then does the host wait, on an event recorded right after the copy (the
-    idle time this removes is to be measured by the GPU gate's ``idle_ms_per_layer``). A wrong
-    guess costs one extra attention forward of that layer; a layer's decision follows its pattern's density, which
-    moves slowly over training, so a wrong guess is expected where the density crosses ``dense_above`` (how often is
-    not yet counted on a real run).
-    The forward and a checkpointed recompute take the same path: the schedule keeps this object, and the recompute
-    runs what the forward ran (:attr:`runs`, a wrong guess's extra attention included: non-reentrant checkpointing
-    matches the tensors the two passes save by their order). Every rank makes the same guess
-    and reads the same decision (the pattern is identical on every rank), so the ranks' collectives stay in step.
-    """
-
-    def __init__(self, pattern: VerticalSlashPattern, lengths: list[int], dense_above: float, seq_len: int,
-                 guess: Outcome = "sparse", on_result: Callable[[Outcome], None] | None = None) -> None:
-        if guess not in OUTCOMES:
-            raise ValueError(f"PendingLayerPattern: guess must be one of {OUTCOMES}, got {guess!r}")
-        self.estimated = pattern
-        self.lengths = tuple(int(x) for x in lengths)
-        self.seq_len = seq_len
-        self.dense_above = float(dense_above)
-        self.guess: Outcome = guess
-        _, self._dense_d, both = _device_decision(pattern, self.lengths, self.dense_above)
-        self._host, self._event = _copy_to_host(both)
-        self.computed = _computed(pattern, guess, self._dense_d, seq_len)
-        self._on_result = on_result
-        self._result: LayerPattern | None = None
-        # what the forward ran, in order (the guess, then the decided one where the guess was not exact): a
-        # checkpointed layer's recompute runs the same (set by the ring)
-        self.runs: list[VerticalSlashPattern | None] | None = None
-
-    @property
-    def resolved(self) -> bool:
-        return self._result is not None
-
-    @property
-    def tile_size(self) -> int:
-        return self.estimated.tile_size
-
-    def result(self) -> LayerPattern:
-        """The decided :class:`LayerPattern` (waits for the decision's copy the first time)."""
-        if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            allowed, dense = _split(self._host, self.estimated.num_heads)
-            outcome = outcome_of(dense)
-            if outcome == self.guess or self.guess == "mixed":
-                computed = self.computed
-            else:
-                computed = _computed(self.estimated, outcome, self._dense_d, self.seq_len)
-            self._result = LayerPattern(self.estimated, computed, dense, allowed, _causal_pairs(self.lengths),
-                                        self.lengths, self.seq_len, self.dense_above)
-            self._dense_d = self._host = None  # type: ignore[assignment]
-            if self._on_result is not None:
-                self._on_result(outcome)
-        return self._result
-
-
-def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``(host tensor, event)``: from a GPU a copy into pinned memory that does not block, and the event to wait on
-    before reading it; elsewhere the tensor on the host and no event."""
-    if t.device.type != "cuda":
-        return t.cpu(), None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
 
 
 def sparse_part(pattern: VerticalSlashPattern, lengths: list[int], dense_above: float | None,

@@ -28,7 +28,6 @@ from lightning_mtraining.sparsity.balance import ring_step_work
 from lightning_mtraining.sparsity.config import SparsityConfig
 from lightning_mtraining.sparsity.pattern import (
     LayerPattern,
-    Outcome,
     VerticalSlashPattern,
     dense_heads,
     head_pairs,
@@ -93,7 +92,6 @@ class AttentionSchedule:
         self.step = 0
         self.estimations = 0  # patterns estimated so far (a test hook for Note [One pattern per forward])
         self._patterns: dict[int, Any] = {}  # this forward's pattern (or LayerPattern record) per layer
-        self._outcomes: dict[int, Outcome] = {}  # each layer's last dense decision (the next forward's guess)
         # the straight path (Note [The straight path] in lightning_mtraining.ring.straight): this forward's decisions
         # on the device, their copy to the host, and each layer's pattern heads that run dense in the next forward
         self._decisions: dict[int, torch.Tensor] = {}
@@ -179,7 +177,7 @@ class AttentionSchedule:
 
     def _read_decisions(self) -> None:
         """The last forward's decisions, on the host: each layer's pattern heads that run dense from now on (a head
-        decided dense in any batch row), and its outcome."""
+        decided dense in any batch row)."""
         self.end_forward()  # a forward the model hook did not see end
         if self._decisions_host is None:
             return
@@ -192,23 +190,12 @@ class AttentionSchedule:
             decided = [any(flat[start + b * heads + g] for b in range(rows)) for g in range(heads)]
             start += rows * heads
             self._dense_heads[layer] = tuple(decided)
-            self._outcomes[layer] = "dense" if all(decided) else "mixed" if any(decided) else "sparse"
 
     def dense_heads(self, layer_idx: int | None) -> tuple[bool, ...] | None:
         """The pattern heads of the layer that run dense in this forward: those the layer's last forward decided
         dense (Note [The straight path] in :mod:`lightning_mtraining.ring.straight`); None when none does."""
         found = self._dense_heads.get(layer_idx) if layer_idx is not None else None
         return found if found is not None and any(found) else None
-
-    def expected_outcome(self, layer_idx: int | None) -> Outcome:
-        """The layer's dense decision in its last forward (``"sparse"`` before any): the guess a
-        :class:`~lightning_mtraining.sparsity.pattern.PendingLayerPattern` runs before its decision is read."""
-        return self._outcomes.get(layer_idx, "sparse") if layer_idx is not None else "sparse"
-
-    def note_outcome(self, layer_idx: int | None, outcome: Outcome) -> None:
-        """Remember the layer's decision for the next forward's guess."""
-        if layer_idx is not None:
-            self._outcomes[layer_idx] = outcome
 
     # --- measurements -----------------------------------------------------------------------------------------
 

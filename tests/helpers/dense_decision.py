@@ -11,7 +11,7 @@ import torch
 
 import lightning_mtraining.sparsity.pattern as pattern_mod
 from helpers.models import VOCAB, make_model
-from lightning_mtraining.sparsity.pattern import PendingLayerPattern, head_pairs
+from lightning_mtraining.sparsity.pattern import head_pairs
 
 
 def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatch, seq: int = 512,
@@ -80,9 +80,8 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
         assert first.estimate.dense is None and second.estimate.dense[0][0]  # the next forward runs it dense
         assert handle.schedule.estimations == 2 * model.config.num_hidden_layers  # the recomputes reused the records
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
-        return second, None
+        return second
 
-    decisions = []
     decisions = []
     real = pattern_mod._device_decision
 
@@ -104,7 +103,5 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     assert len(decisions) == model.config.num_hidden_layers  # the recompute reused the forward's record
     record = handle.schedule._patterns[0]
-    runs = record.runs if isinstance(record, PendingLayerPattern) else None
-    record = record.result() if isinstance(record, PendingLayerPattern) else record
     assert record.dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike
-    return record, runs
+    return record
