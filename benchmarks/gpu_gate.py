@@ -5,7 +5,7 @@ Command (GPU, repo root, after ``pip install --no-deps --no-build-isolation -e .
 
     python benchmarks/gpu_gate.py --out-dir DIR                                   # every phase
     python benchmarks/gpu_gate.py --out-dir DIR --phases tests blocks kernels qwen
-    python benchmarks/gpu_gate.py --out-dir DIR --phases smollm2 --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/gpu_gate.py --out-dir DIR --phases smollm2 compiled --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Phases (each in its own process, with a time limit; a phase that fails or times out fails its goals, the others
 still run):
@@ -18,12 +18,16 @@ still run):
   3 KV heads) shapes at 16K and 32K tokens. The op's default must not lose to FlexAttention.
 - ``kernels``: ``benchmarks/kernel_sparse.py`` at 128K and 5% of the causal pairs: TFLOP/s on computed pairs.
 - ``qwen``: ``benchmarks/train_throughput.py`` on the Qwen2.5-3B shape with 8 layers at 128K (random weights):
-  ``mtraining_dense``, the paper's setting (``sparse_topp``) and top-k 1024/32; host syncs per step.
+  ``mtraining_dense``, the paper's setting (``sparse_topp``) and top-k 1024/32; host syncs, ATen ops and launches
+  per step.
 - ``smollm2``: the same benchmark on the real SmolLM2-135M (``--gguf``) at 32K (YaRN 4x: dense, top-k 1024/32,
-  top-p 0.9) and 64K (YaRN 8x: dense, top-p 0.9), on windows of real text; steps after warm-up over their median
-  (recompiles show as long steps), host syncs per step (``set_sync_debug_mode`` counts; a layer's dense decision,
-  read after its attention is launched by waiting on an event, is not among them) and the GPU idle time a sparse
-  step adds over the dense one (the median step minus the profiled step's device time).
+  top-p 0.9, the sparse variants on the straight path and on the general path, in one call) and 64K (YaRN 8x:
+  dense, top-p 0.9), on windows of real text; steps after warm-up over their median (recompiles show as long
+  steps), host syncs per step (``set_sync_debug_mode`` counts), and per variant the GPU idle a step adds over the
+  dense one (the median step minus the profiled step's device time) per layer, the ATen ops and launches per step
+  (``--count-ops``) and the host time spent in the attention function per layer.
+- ``compiled``: decoder layers compiled (``--compile``): SmolLM2 32K dense and top-k, with the eager top-k row of
+  the same call (compiled must not be slower), and the Qwen2.5-3B shape at 128K dense and top-k.
 
 Phases run only when named (``EXTRA_PHASES``), the one-GPU limits, each under 10 minutes on one H100 (estimated):
 
@@ -51,7 +55,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PHASES = ("tests", "blocks", "kernels", "qwen", "smollm2")
+PHASES = ("tests", "blocks", "kernels", "qwen", "smollm2", "compiled")
 EXTRA_PHASES = ("soak", "memory")  # run only when named: the one-GPU limits
 
 # goal name -> (phase, description, target, higher is better)
@@ -63,19 +67,24 @@ GOALS = {
     "kernel_tflops_128k_5pct": ("kernels", "sparse kernels fwd+bwd TFLOP/s on computed pairs, 128K, 5%", 500.0, True),
     "qwen_128k_paper_vs_dense": ("qwen", "Qwen2.5-3B shape 128K: paper setting step speed / mtraining_dense", 0.98,
                                  True),
-    "qwen_128k_topk_vs_dense": ("qwen", "Qwen2.5-3B shape 128K: top-k 1024/32 step speed / mtraining_dense", 3.0, True),
-    "smollm2_32k_topk_vs_dense": ("smollm2", "SmolLM2 32K: top-k 1024/32 step speed / dense", 2.0, True),
-    "smollm2_32k_topp_vs_dense": ("smollm2", "SmolLM2 32K: top-p 0.9 step speed / dense", 1.3, True),
-    "smollm2_64k_topp_vs_dense": ("smollm2", "SmolLM2 64K: top-p 0.9 step speed / dense", 2.0, True),
+    "smollm2_32k_topk_vs_dense": ("smollm2", "SmolLM2 32K: top-k 1024/32 step speed / dense (eager)", 1.7, True),
+    "smollm2_32k_topp_vs_dense": ("smollm2", "SmolLM2 32K: top-p 0.9 step speed / dense (eager)", 1.2, True),
+    "smollm2_64k_topp_vs_dense": ("smollm2", "SmolLM2 64K: top-p 0.9 step speed / dense (eager)", 2.2, True),
     "smollm2_long_steps": ("smollm2", "SmolLM2: the longest step after the third over the median (worst variant)",
                            1.3, False),
     "syncs_per_layer": ("smollm2", "host syncs per decoder layer and step (worst sparse variant)", 1.0, False),
+    "idle_ms_per_layer": ("smollm2", "GPU idle a sparse step beyond the dense step's, per decoder layer, ms (worst "
+                          "sparse variant; idle = median step - profiled device time)", 0.5, False),
+    "smollm2_32k_compiled_topk_vs_dense": ("compiled", "SmolLM2 32K: compiled top-k 1024/32 step speed / compiled "
+                                           "dense", 1.9, True),
+    "qwen_128k_compiled_topk_vs_dense": ("compiled", "Qwen2.5-3B shape 128K: compiled top-k 1024/32 step speed / "
+                                         "compiled dense", 3.0, True),
+    "compiled_vs_eager_topk": ("compiled", "SmolLM2 32K top-k: eager step / compiled step (compiled never slower)",
+                               1.0, True),
     "soak_ok": ("soak", "200 steps at 128K (Qwen2.5-3B shape, 4 layers, sparse): memory flat within 1%, loss finite "
                 "and falling (1 = all hold)", 1.0, True),
     "tiled_mlp_fit_residual": ("memory", "peak memory against its fitted line per token, with and without tiled_mlp "
                                "(max relative residual)", 0.10, False),
-    "idle_ms_per_layer": ("smollm2", "GPU idle a sparse step beyond the dense step's, per decoder layer, ms (worst "
-                          "sparse variant; idle = median step - profiled device time)", 0.5, False),
 }
 
 
@@ -183,16 +192,43 @@ def _throughput(args, name: str, extra: list[str], timeout: float) -> list[dict]
     return data["rows"] if isinstance(data, dict) else data
 
 
-def _row(rows: list[dict], prefix: str, n: int) -> dict | None:
+def _row(rows: list[dict], prefix: str, n: int, general: bool = False) -> dict | None:
+    """The ok row of ``prefix`` at length ``n``: the straight path's, or with ``general`` the general path's (the
+    rows ``train_throughput.py --paths straight general`` labels so)."""
     for r in rows:
-        if r.get("variant", "").startswith(prefix) and r.get("N") == n and r.get("status") == "ok":
+        name = r.get("variant", "")
+        if (name.startswith(prefix) and name.endswith(" general") == general and r.get("N") == n
+                and r.get("status") == "ok"):
             return r
     return None
 
 
-def _speedup(rows: list[dict], variant: str, base: str, n: int) -> float:
-    r, b = _row(rows, variant, n), _row(rows, base, n)
+def _speedup(rows: list[dict], variant: str, base: str, n: int, general: bool = False) -> float:
+    r, b = _row(rows, variant, n, general), _row(rows, base, n)
     return b["step_s"] / r["step_s"] if r and b else float("nan")
+
+
+def _straight_vs_general(rows: list[dict], variant: str, n: int) -> float:
+    """The general path's step over the straight path's (same variant, same call)."""
+    s, g = _row(rows, variant, n), _row(rows, variant, n, general=True)
+    return g["step_s"] / s["step_s"] if s and g else float("nan")
+
+
+def _per_variant(rows: list[dict], layers: int) -> list[dict]:
+    """What the gate reports beside the goals for every row: step, device time, GPU idle per layer, ATen ops and
+    launches per step, host time in the attention function per layer."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok":
+            out.append({"variant": r.get("variant"), "N": r.get("N"), "status": r.get("status")})
+            continue
+        idle = 1e3 * r["step_s"] - r["split_total_ms"] if r.get("split_total_ms") is not None else float("nan")
+        out.append({"variant": r["variant"], "N": r["N"], "step_s": r["step_s"],
+                    "device_ms": r.get("split_total_ms"), "idle_ms_per_layer": idle / layers,
+                    "ops_per_step": r.get("ops_per_step"), "launches_per_step": r.get("launches_per_step"),
+                    "host_attention_ms_per_layer": r.get("host_attention_ms_per_layer"),
+                    "density": r.get("attention/density")})
+    return out
 
 
 def _long_steps(rows: list[dict], warmup: dict[str, int]) -> float:
@@ -223,7 +259,8 @@ def _idle_per_layer(rows: list[dict], layers: int) -> float:
 
     dense = {r.get("N"): idle(r) for r in rows if r.get("variant") == "mtraining_dense"}
     vals = [(idle(r) - dense[r.get("N")]) / layers for r in rows
-            if r.get("variant", "").startswith("sparse") and r.get("N") in dense]
+            if r.get("variant", "").startswith("sparse") and not r["variant"].endswith(" general")
+            and r.get("N") in dense]
     vals = [v for v in vals if v == v]
     return max(vals) if vals else float("nan")
 
@@ -232,18 +269,22 @@ def phase_qwen(args) -> dict:
     n = 131072
     rows = _throughput(args, "qwen_128k", ["--layers", "8", "--seqlens", str(n), "--variants", "mtraining_dense",
                                            "sparse_topp", "sparse_topk", "--topk", "1024", "32", "--warmup", "2",
-                                           "--steps", "3"], args.qwen_timeout)
+                                           "--steps", "3", "--count-ops"], args.qwen_timeout)
     return {"qwen_128k_paper_vs_dense": _speedup(rows, "sparse_topp", "mtraining_dense", n),
-            "qwen_128k_topk_vs_dense": _speedup(rows, "sparse_topk", "mtraining_dense", n),
-            "qwen_syncs_per_layer": _syncs_per_layer(rows, 8), "qwen_rows": rows}
+            "qwen_128k_topk_vs_dense_eager": _speedup(rows, "sparse_topk", "mtraining_dense", n),
+            "qwen_syncs_per_layer": _syncs_per_layer(rows, 8), "qwen_variants": _per_variant(rows, 8),
+            "qwen_rows": rows}
 
 
 def phase_smollm2(args) -> dict:
     if not args.gguf:
         return {"smollm2_error": "no --gguf"}
+    # the straight path and the general path in one call (the host decides a host-bound step's time: compare on one
+    # machine only)
     rows32 = _throughput(args, "smollm2_32k", ["--pretrained", args.gguf, "--rope", "yarn:4", "--seqlens", "32768",
                                                "--variants", "mtraining_dense", "sparse_topk", "sparse_topp", "--topk",
-                                               "1024", "32", "--warmup", "3", "--steps", str(args.smollm2_steps)],
+                                               "1024", "32", "--warmup", "3", "--steps", str(args.smollm2_steps),
+                                               "--paths", "straight", "general", "--count-ops"],
                          args.smollm2_timeout)
     rows64 = _throughput(args, "smollm2_64k", ["--pretrained", args.gguf, "--rope", "yarn:8", "--seqlens", "65536",
                                                "--variants", "mtraining_dense", "sparse_topp", "--warmup", "2",
@@ -254,7 +295,35 @@ def phase_smollm2(args) -> dict:
             "smollm2_long_steps": _long_steps([dict(r, _bench="32k") for r in rows32]
                                               + [dict(r, _bench="64k") for r in rows64], {"32k": 3, "64k": 2}),
             "syncs_per_layer": _syncs_per_layer(rows32 + rows64, 30),
-            "idle_ms_per_layer": _idle_per_layer(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
+            "idle_ms_per_layer": _idle_per_layer(rows32 + rows64, 30),
+            "smollm2_32k_topk_straight_vs_general": _straight_vs_general(rows32, "sparse_topk", 32768),
+            "smollm2_32k_topp_straight_vs_general": _straight_vs_general(rows32, "sparse_topp", 32768),
+            "smollm2_variants": _per_variant(rows32 + rows64, 30), "smollm2_rows": rows32 + rows64}
+
+
+def phase_compiled(args) -> dict:
+    """Compiled decoder layers (``--compile on``): SmolLM2 32K dense and top-k (with an eager top-k row in the same
+    call, for compiled-vs-eager), the Qwen2.5-3B shape at 128K dense and top-k."""
+    found: dict = {}
+    if args.gguf:
+        rows = _throughput(args, "smollm2_32k_compiled", ["--pretrained", args.gguf, "--rope", "yarn:4", "--seqlens",
+                                                         "32768", "--variants", "mtraining_dense", "sparse_topk",
+                                                         "--topk", "1024", "32", "--compile", "both", "--warmup",
+                                                         "2", "--steps", "5"], args.compiled_timeout / 2)
+        eager, comp = _row(rows, "sparse_topk 1024/32", 32768), _row(rows, "sparse_topk 1024/32 compiled", 32768)
+        dense = _row(rows, "mtraining_dense compiled", 32768)
+        found.update(smollm2_32k_compiled_topk_vs_dense=dense["step_s"] / comp["step_s"] if dense and comp
+                     else float("nan"),
+                     compiled_vs_eager_topk=eager["step_s"] / comp["step_s"] if eager and comp else float("nan"),
+                     smollm2_compiled_rows=rows)
+    n = 131072
+    rows = _throughput(args, "qwen_128k_compiled", ["--layers", "8", "--seqlens", str(n), "--variants",
+                                                    "mtraining_dense", "sparse_topk", "--topk", "1024", "32",
+                                                    "--compile", "on", "--warmup", "2", "--steps", "3"],
+                       args.compiled_timeout / 2)
+    found.update(qwen_128k_compiled_topk_vs_dense=_speedup(rows, "sparse_topk", "mtraining_dense", n),
+                 qwen_compiled_rows=rows)
+    return found
 
 
 def phase_soak(args) -> dict:
@@ -320,6 +389,7 @@ def main() -> None:
     ap.add_argument("--qwen-timeout", type=float, default=420)
     ap.add_argument("--smollm2-timeout", type=float, default=300)
     ap.add_argument("--smollm2-steps", type=int, default=12)
+    ap.add_argument("--compiled-timeout", type=float, default=560)
     ap.add_argument("--soak-steps", type=int, default=200)
     ap.add_argument("--soak-timeout", type=float, default=540)
     ap.add_argument("--memory-timeout", type=float, default=540)

@@ -321,21 +321,23 @@ def vertical_slash_attention(
 class TritonBlockOp:
     """The ring's per-block op protocol (``lightning_mtraining.ring.block_ops``) on the Triton kernels.
 
-    ``forward`` returns (out in q.dtype, lse float32); ``backward`` takes the FINAL merged (out, lse) and returns
-    float32 (dq, dk, dv). With ``tiles=`` (a sparse ring step's lists, T x T tiles) the kernels compute exactly those
-    pairs; without, the tile lists come from :func:`dense_tile_lists` on every call (O((Sq/BM) * (Sk/BN)) torch
-    work on the device).
+    ``forward`` returns (out in q.dtype, lse float32), or with a running ``out`` / ``lse`` (any float out, float32
+    lse) merges the block into them in place and returns them; ``backward`` takes the FINAL merged (out, lse) and
+    returns float32 (dq, dk, dv). With ``tiles=`` (a sparse ring step's lists, T x T tiles) the kernels compute
+    exactly those pairs; without, the tile lists come from :func:`dense_tile_lists` on every call (O((Sq/BM) *
+    (Sk/BN)) torch work on the device).
     """
 
     supports_tiles = True
     supports_softcap = True  # ``softcap=`` on forward / backward / differentiable (the Triton kernels apply it)
+    supports_running = True  # ``forward(..., out=, lse=)`` merges the block into a running result inside the kernel
 
     def __init__(self, block_m: int = 64, block_n: int = 64, config: KernelConfig | None = None) -> None:
         self.block_m, self.block_n, self.config = block_m, block_n, config
 
-    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, softcap=None):
-        return block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m, block_n=self.block_n,
-                             config=self.config, softcap=softcap)
+    def forward(self, q, k, v, q_pos, k_pos, scale, tiles=None, softcap=None, out=None, lse=None):
+        return block_forward(q, k, v, q_pos, k_pos, scale, tiles=tiles, out=out, lse=lse, block_m=self.block_m,
+                             block_n=self.block_n, config=self.config, softcap=softcap)
 
     def backward(self, q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=None, softcap=None):
         return block_backward(q, k, v, out, lse, dout, q_pos, k_pos, scale, tiles=tiles, block_m=self.block_m,

@@ -17,6 +17,10 @@ Protocol (duck-typed; the ring and the simulated ring call only these two method
     Flash-attention-style backward given the *final* (merged over all blocks) ``out`` and ``lse``: the returned
     gradients are this block's contributions (float32, or float64 for float64 inputs), to be summed over blocks.
 
+An op with ``supports_running = True`` (the Triton kernels' op) also takes ``forward(..., out=, lse=)``: the running
+result of the earlier ring steps (float accumulators), into which it merges the block by log-sum-exp in place, in its
+kernel, and returns; the ring then needs no merge of its own (:func:`merge_attention`, for the other ops).
+
 Sparse ops (attribute ``supports_tiles = True``) also take ``tiles=`` (a
 :class:`~mtraining_kernels.indexing.TileLists` of the step, from
 :func:`~mtraining_kernels.indexing.step_tile_lists`) in both methods and then compute exactly the pairs the lists

@@ -70,6 +70,9 @@ def forward_step(state, op: BlockAttentionOp, q, kv_chunk, q_pos, k_pos, scale: 
     kw = dict(variant or {})
     if tiles is not None:
         kw["tiles"] = tiles
+    if state is not None and getattr(op, "supports_running", False):  # merged inside the op's kernel, in place
+        kw.update(out=state[0], lse=state[1])
+        return op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, **kw)
     blk_out, blk_lse = op.forward(q, kv_chunk[0], kv_chunk[1], q_pos, k_pos, scale, **kw)
     if state is None:  # step (0, 0): this rank's own chunk
         return blk_out.to(adt), blk_lse.to(adt)

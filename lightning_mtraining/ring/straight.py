@@ -100,7 +100,6 @@ class StraightPlan:
             raise ValueError("sparse hierarchical ring attention needs group= (the whole CP group, for the pattern "
                              "estimator) besides inner_group and outer_group")
         self.topo: RingTopology = topo
-        self.shape = (tuple(q.shape), tuple(k.shape), q.dtype, q.device)
         self.n = S * topo.cp_size
         self.layout, self.block_size, self.kernels = layout, block_size, kernels
         self.est_group = group if group is not None else (topo.inner_group if topo.cp_size > 1 else None)
@@ -114,10 +113,6 @@ class StraightPlan:
                                         cp_rank=topo.cp_rank, cp_size=topo.cp_size, layout=layout,
                                         block_size=block_size, route=kernels)
         self._ops: dict[int, BlockAttentionOp] = {}
-
-    def fits(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether this plan was made for tensors like ``q`` and ``k``."""
-        return self.shape == (tuple(q.shape), tuple(k.shape), q.dtype, q.device)
 
     def op(self, tile: int) -> BlockAttentionOp:
         """The block op of ``tile`` x ``tile`` lists: the Triton kernels' (one per tile size), or a new torch op (it
@@ -134,12 +129,14 @@ class StraightPlan:
 
     def layer(self, q: torch.Tensor, k: torch.Tensor, config: SparsityConfig, layer_idx: int | None,
               scale: float | None, dense: tuple[tuple[bool, ...], ...] | None) -> LayerRun:
-        """A layer's forward work before its attention: the estimate and the ring's lists."""
+        """A layer's forward work before its attention: the estimate and the ring's lists (no autograd: nothing of
+        it is differentiated, and a checkpointed recompute, which reuses it, must save what the forward saved)."""
         scale = default_scale(q.shape[-1], scale)
-        est = self.estimator.estimate(q, k, config, layer_idx, scale, dense)
-        if dense is not None and all(all(row) for row in dense):
-            return LayerRun(est, None, config)
-        return LayerRun(est, self._steps(est), config, self.op(config.tile_size))
+        with torch.no_grad():
+            est = self.estimator.estimate(q, k, config, layer_idx, scale, dense)
+            if dense is not None and all(all(row) for row in dense):
+                return LayerRun(est, None, config)
+            return LayerRun(est, self._steps(est), config, self.op(config.tile_size))
 
     def _steps(self, est: Estimate) -> StepLists:
         pt = est.tiles

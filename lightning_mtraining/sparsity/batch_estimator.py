@@ -161,7 +161,7 @@ class BatchEstimator:
         decided = None if config.dense_above is None else decide_dense_heads(allowed, causal, config.dense_above)
         full = pattern.expand(self.H, self.Hkv)
         if dense is not None:
-            mask = torch.tensor(dense, dtype=torch.bool, device=q.device)
+            mask = dense_mask_tensor(dense, q.device).bool()
             mask = mask.repeat_interleave(self.H // mask.shape[1], dim=1)
             full = with_dense_heads(full, mask, self.N)
         tiles = prepare_pattern_tiles(full.vertical_idx, full.slash_idx, self.N, config.tile_size, widths="bounded")

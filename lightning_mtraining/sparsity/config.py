@@ -144,13 +144,16 @@ class SparsityConfig:
         dense_warmup_steps: optimizer steps trained dense before sparse attention starts (applied by the
             strategies' schedule; ``estimate_pattern`` itself ignores it).
         dense_above: a pattern head whose estimated pattern allows more than this share of its sequence's causal
-            (query, key) pairs computes dense attention in that forward instead: there the sparse kernels, the
+            (query, key) pairs computes dense attention instead: there the sparse kernels, the
             estimator's lists and the gathered columns cost more than the dense kernel (diffuse attention: a fresh
             model, early training, short sequences); when every head of a layer does, the layer runs the dense ring.
-            ``None``: always run the pattern. Decided per head and forward from the exact pair count of the real
-            (unpadded) sequence (one host sync), so the same on every rank, at every world size and under tensor
-            parallelism; applied by the strategies' attention, eager and compiled. The logged
-            ``attention/dense_heads`` is the share of heads it sent to dense.
+            ``None``: always run the pattern. Decided per head from the exact pair count of the real (unpadded)
+            sequence, so the same on every rank, at every world size and under tensor parallelism. Under the
+            strategies' attention (eager and compiled) a forward's decision, made on the device, applies from the
+            layer's next forward on (Note [The straight path] in :mod:`lightning_mtraining.ring.straight`: no layer
+            waits for a host read); packed documents and soft-capped layers, and
+            :func:`~lightning_mtraining.ring.attention.ring_attention` called with a config, decide in the same
+            forward (one host read). The logged ``attention/dense_heads`` is the share of heads that ran dense.
         budgets: per-layer (and optionally per-head) budgets calibrated offline: ``{layer: (vertical, slash)}`` or
             ``{layer: [(vertical, slash), ...]}`` (one pair per pattern head), or the path of a JSON file holding
             that mapping. In top-k mode a pair replaces ``(vertical_topk, slash_topk)``; in top-p mode it replaces

@@ -20,7 +20,8 @@ What is compared:
   package's Triton launches) and no host read, top-k and top-p, at 512 and 1024 tokens alike (the count is the
   code's structure, not the length, but for one sum of the column gradients' query-range parts, split where the
   query tiles allow), also for a layer whose previous forward decided some heads dense; and per step (outside the
-  layers) at most a fixed handful (the decisions' copy and read).
+  layers) at most a fixed handful (the decisions' copy and read); over 2 and 3 gloo ranks, a bounded number on top
+  of one rank's and per further ring step (:data:`RING_FIXED_OPS`, :data:`RING_STEP_OPS`).
 
 The checks run in ONE subprocess with ``TRITON_INTERPRET=1`` (``run_interpreter_checks``); run this file directly
 to see them: ``TRITON_INTERPRET=1 python tests/unit/test_straight_path.py``.
@@ -42,10 +43,14 @@ pytestmark = pytest.mark.slow  # a Triton-interpreter subprocess: a few minutes 
 OP_BUDGET, LAUNCH_BUDGET = 60, 20
 # per forward outside the layers: the last forward's decisions copied and read (a concatenation, a cast, the read)
 STEP_OPS = 8
+# over W ranks (a layer's training step): what W = 2 adds to one rank (the estimator's four collectives and what they
+# need, the gathered verticals, the ring's second step), and what each further ring step adds
+RING_FIXED_OPS, RING_STEP_OPS, RING_STEP_LAUNCHES = 200, 40, 20
 
 CHECKS = ["fused_selection_topk", "fused_selection_topp", "fused_selection_kv_ragged", "fused_selection_dense_heads",
           "estimator_triton_route_w1", "estimator_triton_route_w3_gloo", "straight_layer_equals_ring_attention",
-          "op_budget_topk", "op_budget_topp", "op_budget_with_dense_heads", "op_count_independent_of_length"]
+          "op_budget_topk", "op_budget_topp", "op_budget_with_dense_heads", "op_count_independent_of_length",
+          "op_count_per_ring_step_gloo"]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +104,39 @@ def _estimator_worker(rank, world_size):
         out[name] = [got.pattern.vertical_idx, got.pattern.slash_idx, ref.vertical_idx, ref.slash_idx,
                      got.allowed, got.decided, got.tiles.offsets, got.tiles.verticals, torch.tensor(cfg.dense_above)]
     return out
+
+
+def _ring_count_worker(rank, world_size):
+    """One sparse layer's training step on this rank's shard (W ranks, striped), counted as in the budget checks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers.interpreter import shim_interpreter
+    from helpers.scripts import load_script
+
+    shim_interpreter()
+    from lightning_mtraining import apply_context_parallel
+    from lightning_mtraining.core.op_count import count_ops
+
+    ops = load_script("benchmarks/hot_path_ops.py", "hot_path_ops")
+    H, Hkv, D, T, N = 4, 2, 16, 32, 768
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=H * D, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=H, num_key_value_heads=Hkv, max_position_embeddings=N,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    cp = apply_context_parallel(model, mesh, sparsity=ops.sparsity_of("topk", T), block_size=T, fused_loss=False)
+    cp.shard({"input_ids": torch.randint(0, 64, (1, N), generator=torch.Generator().manual_seed(0))})
+    cp.schedule.set_step(1)
+    cp.plan.kernels = "triton"
+    layer = ops.Layer(model.model.layers[0].self_attn, cp, N // world_size, H, Hkv, D)
+    ops.layer_step(layer)
+    with count_ops() as counts:
+        ops.layer_step(layer, counts, seed=1)
+    assert cp.schedule._patterns[0].steps is not None
+    return counts.as_dict()
 
 
 def _canon(idx):
@@ -193,6 +231,22 @@ def _run_checks() -> dict[str, str]:
         for what in ("ops", "launches"):
             assert a[what] == b[what], (a[what], b[what])
 
+    def per_ring_step():
+        from helpers.dist import run_distributed
+
+        phases = ("forward", "recompute", "backward")
+        one = _count("topk", 768)
+        per_w = {w: run_distributed(_ring_count_worker, w, timeout=900) for w in (2, 3)}
+        for w, ranks in per_w.items():
+            for c in ranks:
+                assert sum(c["host_reads"].get(p, 0) for p in phases) == 0, (w, c["host_reads"])
+        total = {w: (sum(per_w[w][0]["ops"].get(p, 0) for p in phases),
+                     sum(per_w[w][0]["launches"].get(p, 0) for p in phases)) for w in (2, 3)}
+        total[1] = (sum(one["ops"].get(p, 0) for p in phases), sum(one["launches"].get(p, 0) for p in phases))
+        step_ops, step_launches = total[3][0] - total[2][0], total[3][1] - total[2][1]
+        assert step_ops <= RING_STEP_OPS and step_launches <= RING_STEP_LAUNCHES, total
+        assert total[2][0] - total[1][0] - step_ops <= RING_FIXED_OPS, total
+
     def _count(variant, tokens, dense_first=False):
         from lightning_mtraining import SparsityConfig
         from lightning_mtraining.core.op_count import count_ops
@@ -229,6 +283,7 @@ def _run_checks() -> dict[str, str]:
         "op_budget_topp": budget("topp"),
         "op_budget_with_dense_heads": budget("topk", dense_first=True),
         "op_count_independent_of_length": independent_of_length,
+        "op_count_per_ring_step_gloo": per_ring_step,
     }
     results = {}
     for name, fn in checks.items():
