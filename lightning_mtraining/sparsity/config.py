@@ -284,12 +284,23 @@ probes="last")`` keeps the paper's probes there too."""
 
 
 def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:
-    """A config from a short command-line spec: ``"none"`` (None: dense), ``"paper"`` (:data:`PAPER_SPARSITY`),
-    ``"topp:P"`` or ``"topk:V,S"`` (V verticals, S slashes per head); ``overrides`` set other fields (e.g.
-    ``tile_size=32``)."""
+    """A config from a short spec, the same in every entry point (the strategies' ``sparsity=``, LightningCLI configs,
+    ``examples/train.py --sparsity``): ``"none"`` (None: dense), ``"paper"`` (:data:`PAPER_SPARSITY`), ``"topp:P"`` or
+    ``"topk:V,S"`` (V verticals, S slashes per head), each optionally followed by ``"@T"``, the tile size (default
+    128, :class:`SparsityConfig`'s): ``"topk:64,16@32"`` is 64 verticals and 16 slashes per head on 32-token tiles.
+    ``overrides`` set other fields (``dense_warmup_steps=...``); a ``tile_size`` among them applies to a spec that
+    names no tile, and must agree with one that does."""
+    if not isinstance(spec, str):
+        raise TypeError(f"a sparsity spec is a string ('none', 'paper', 'topp:P' or 'topk:V,S', each with an optional "
+                        f"'@T' tile); got {type(spec).__name__}")
+    grammar = ("a sparsity spec is 'none', 'paper', 'topp:P' or 'topk:V,S' (V verticals, S slashes per head: ints), "
+               "each optionally followed by '@T' for T-token tiles (default 128), e.g. 'topk:64,16@32'")
+    if "tile_size" in overrides and overrides["tile_size"] is None:  # (an option left unset: the spec's tile)
+        overrides = {k: v for k, v in overrides.items() if k != "tile_size"}
     if spec == "none":
         return None
-    kind, _, value = spec.partition(":")
+    body, at, tile = spec.partition("@")
+    kind, _, value = body.partition(":")
     try:
         if kind == "paper" and not value:
             config = PAPER_SPARSITY
@@ -300,6 +311,13 @@ def parse_sparsity(spec: str, **overrides: Any) -> SparsityConfig | None:
             config = SparsityConfig(top_p=float(value))
         else:
             raise ValueError
+        tile_size = int(tile) if at else None
     except ValueError:
-        raise ValueError(f"a sparsity spec is 'none', 'paper', 'topp:P' or 'topk:V,S' (ints); got {spec!r}") from None
+        raise ValueError(f"{grammar}; got {spec!r}") from None
+    if tile_size is not None:
+        given = overrides.get("tile_size")
+        if given is not None and given != tile_size:
+            raise ValueError(f"the sparsity spec {spec!r} names {tile_size}-token tiles, but tile_size={given} was "
+                             f"also given: drop one of them")
+        overrides = {**overrides, "tile_size": tile_size}
     return dataclasses.replace(config, **overrides) if overrides else config

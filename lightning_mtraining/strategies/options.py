@@ -56,8 +56,9 @@ FIELD_DOCS: dict[str, str] = {
     "sparsity": (
         "vertical-slash budgets for sparse ring attention (the pattern is estimated online for every layer and "
         "forward, :func:`~lightning_mtraining.sparsity.estimation.estimate_pattern`), or ``None`` for dense (exact) "
-        "attention, or the same as a short string: ``\"paper\"``, ``\"none\"``, ``\"topp:P\"`` or ``\"topk:V,S\"`` "
-        "(:func:`~lightning_mtraining.sparsity.config.parse_sparsity`, as ``examples/train.py --sparsity`` takes it). "
+        "attention, or the same as a short string: ``\"paper\"``, ``\"none\"``, ``\"topp:P\"`` or ``\"topk:V,S\"``, "
+        "each with an optional ``\"@T\"`` for T-token tiles (default 128) "
+        "(:func:`~lightning_mtraining.sparsity.config.parse_sparsity`: the same in every entry point). "
         "The default is the paper's training setting, :data:`~lightning_mtraining.sparsity.config."
         "PAPER_SPARSITY` (top-p 0.9, caps 4096), which is what ``strategy=\"mtraining\"`` means; "
         "``strategy=\"mtraining_dense\"`` is ``sparsity=None``. Top-p keeps every tile of the short sequences one "

@@ -105,5 +105,33 @@ def test_sparsity_as_the_short_strings_examples_train_takes(cls):
     assert cls(sparsity="none").sparsity is None
     assert cls(sparsity="topp:0.95").sparsity == SparsityConfig(top_p=0.95)
     assert cls(sparsity="topk:64,16", block_size=128).sparsity == SparsityConfig(vertical_topk=64, slash_topk=16)
+    # the tile stated in the string: the same meaning as in examples/train.py (its default, 'topk:64,16@32')
+    assert cls(sparsity="topk:64,16@32", block_size=64).sparsity == SparsityConfig(vertical_topk=64, slash_topk=16,
+                                                                                    tile_size=32)
     with pytest.raises(ValueError, match=rf"^{cls.__name__}\(sparsity=\.\.\.\): a sparsity spec is 'none', 'paper'"):
         cls(sparsity="dense")
+
+
+def test_a_sparsity_string_means_the_same_in_every_entry_point():
+    """``parse_sparsity`` is what the strategies, LightningCLI configs and the examples read: the tile is the string's
+    (``@T``) or 128; an example's ``--tile-size`` applies only to a string that names none, and a conflict is an
+    error naming both."""
+    from lightning_mtraining.sparsity.config import parse_sparsity
+
+    assert parse_sparsity("topk:64,16").tile_size == 128
+    assert parse_sparsity("topk:64,16@32").tile_size == 32
+    assert parse_sparsity("paper@64").tile_size == 64 and parse_sparsity("paper@64").top_p == 0.9
+    assert parse_sparsity("topp:0.9", tile_size=None).tile_size == 128  # an option left unset
+    assert parse_sparsity("topp:0.9", tile_size=32).tile_size == 32
+    with pytest.raises(ValueError, match="names 32-token tiles, but tile_size=64 was also given"):
+        parse_sparsity("topk:64,16@32", tile_size=64)
+    for bad in ("topk:64", "topk:64,16@", "topk:64,16@x", "fast"):
+        with pytest.raises(ValueError, match=r"a sparsity spec is .* e\.g\. 'topk:64,16@32'; got"):
+            parse_sparsity(bad)
+    # the example's default names its tile: the string alone says what it trains, and the strategy it makes
+    from helpers.scripts import load_script
+
+    example = load_script("examples/train.py", "train_example")
+    args = example.parse_args([])
+    assert args.sparsity == "topk:64,16@32" and args.tile_size is None
+    assert example.make_strategy(args).sparsity == parse_sparsity("topk:64,16@32")
