@@ -192,8 +192,10 @@ def test_fsdp_strategy_matches_single_process(world_size, cp):
     assert StrategyRegistry["mtraining_fsdp_dense"]["init_params"] == {"sparsity": None}
 
 
-def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool) -> list[tuple[list[int], float]]:
-    """The (sample indices, loss) of each step of a Trainer on a shuffled loader with a seeded generator."""
+def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool,
+                  shuffle: bool = True) -> list[tuple[list[int], float]]:
+    """The (sample indices, loss) of each step of a Trainer on a shuffled loader with a seeded generator (or, with
+    ``shuffle=False``, an unshuffled one)."""
     import lightning as L
 
     from lightning_mtraining.strategies.trainer import MTrainingStrategy
@@ -202,7 +204,7 @@ def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool) -> 
         elastic_env(rank, world_size, world_size)
     quiet()
     module = lightning_module_class()("qwen2")
-    loader = torch.utils.data.DataLoader(make_samples(8, 13), batch_size=2, shuffle=True,
+    loader = torch.utils.data.DataLoader(make_samples(8, 13), batch_size=2, shuffle=shuffle,
                                          generator=torch.Generator().manual_seed(7))
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=MTrainingStrategy(block_size=4, sparsity=None),
                         max_steps=4, use_distributed_sampler=use_distributed_sampler, logger=False,
@@ -211,8 +213,10 @@ def _shuffled_fit(rank: int, world_size: int, use_distributed_sampler: bool) -> 
     return module.records
 
 
-def _shuffled_worker(rank: int, world_size: int) -> dict[bool, list[tuple[list[int], float]]]:
-    return {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
+def _shuffled_worker(rank: int, world_size: int) -> dict:
+    runs: dict = {flag: _shuffled_fit(rank, world_size, flag) for flag in (False, True)}
+    runs["unshuffled"] = _shuffled_fit(rank, world_size, True, shuffle=False)
+    return runs
 
 
 def test_a_shuffled_loader_gives_one_devices_losses_as_the_docs_say():
@@ -220,12 +224,14 @@ def test_a_shuffled_loader_gives_one_devices_losses_as_the_docs_say():
     ``use_distributed_sampler=False`` and a DataLoader with a seeded generator. Then the 2 CP ranks read the one-device
     run's samples in its order and see its losses (2e-5, see the module docstring). Lightning's default injects a
     DistributedSampler with its own shuffle, so the default run reads another order: the recipe is needed, not
-    decoration."""
+    decoration. And an unshuffled loader does not keep its order under the default: Lightning's training sampler
+    shuffles whatever the loader's own ``shuffle`` (the docs say so)."""
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "guarantees.md").read_text()
     promise = next(line for line in docs.splitlines() if "gives one device's losses and parameters" in line)
-    for recipe_part in ("data-parallel size 1", "use_distributed_sampler=False", "generator=torch.Generator()"):
+    for recipe_part in ("data-parallel size 1", "use_distributed_sampler=False", "generator=torch.Generator()",
+                        "even an unshuffled loader"):
         assert recipe_part in promise, recipe_part  # the guarantee says how to see it: this recipe
 
     one_device = _shuffled_fit(0, 1, True)
@@ -235,6 +241,8 @@ def test_a_shuffled_loader_gives_one_devices_losses_as_the_docs_say():
         for (_, got), (_, want) in zip(recipe, one_device):
             assert abs(got - want) < 2e-5, (rank, got, want)
         assert [idx for idx, _ in default] != [idx for idx, _ in one_device], rank
+        in_order = [list(range(2 * i, 2 * i + 2)) for i in range(4)]  # what one device reads unshuffled
+        assert [idx for idx, _ in runs["unshuffled"]] != in_order, (rank, runs["unshuffled"])
 
 
 def _features_worker(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:

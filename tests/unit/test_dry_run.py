@@ -86,3 +86,24 @@ def test_the_cli_checks_the_ready_made_2m_config_and_refuses_a_bad_one():
     assert bad.returncode == 1 and "check passed" not in bad.stdout
     want = "check failed: ValueError: inner_ring_size=3 does not divide context_parallel_size=32"
     assert want in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow  # two dry runs of 4 x 8 worlds (~15 s each on 2 cores)
+def test_the_check_output_docs_cluster_shows_is_what_the_checks_print():
+    """Every line ``docs/cluster.md`` quotes after a ``cli.py check`` command is a line that command prints (the
+    512K plan's config is the ready-made ``cluster_4x8_512k.yaml``, which the plan command writes unchanged)."""
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    block = doc.split("python examples/cli.py check --config plan.yaml", 1)[1].split("```", 1)[0]
+    runs, config = {}, "examples/configs/cluster_4x8_512k.yaml"
+    for line in block.splitlines():
+        if line.startswith("python examples/cli.py check --config "):
+            config = line.split("--config ", 1)[1].split()[0]
+        elif line.startswith("#   "):
+            runs.setdefault(config, []).append(line[4:].rstrip())
+    assert set(runs) == {"examples/configs/cluster_4x8_512k.yaml", "examples/configs/cluster_4x8_2m.yaml"}, runs
+    for config, quoted in runs.items():
+        run = _check("--config", config)
+        assert run.returncode == 0, run.stderr[-3000:]
+        printed = run.stdout.splitlines()
+        for line in quoted:
+            assert line in printed, (config, line)
