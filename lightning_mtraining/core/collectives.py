@@ -13,25 +13,31 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from lightning_mtraining.core.errors import entering_collective, who_did_not_arrive
+
 __all__ = ["all_gather_stacked", "named_failure", "reduce_scatter_dim0"]
 
 
 @contextlib.contextmanager
 def named_failure(what: str) -> Iterator[None]:
-    """Re-raise a failed or timed-out collective with what it was and which rank waited.
+    """Count the collective this rank enters (Note [Who did not arrive] in :mod:`lightning_mtraining.core.errors`),
+    and re-raise it, failed or timed out, with what it was, which rank waited and which ranks did not arrive.
 
     Gloo raises ``Timed out waiting 1800000ms for recv operation to complete`` after the process group's timeout,
-    naming neither the operation nor the peer; this adds both. (NCCL's watchdog aborts the process itself after the
-    timeout, naming the operation's type and sequence number.)
+    naming neither the operation nor the peer; this adds both, and the ranks that had not reached it (with the
+    collective and step each was at) where the job's failure watch runs. (NCCL's watchdog aborts the process itself
+    after the timeout, naming the operation's type and sequence number.)
     """
+    count = entering_collective(what)
     try:
         yield
     except RuntimeError as err:
         rank = dist.get_rank() if dist.is_initialized() else 0
+        missing = who_did_not_arrive(count, what)
         raise RuntimeError(
-            f"rank {rank}: {what} failed: {err}. A rank it waits on died, stalled or ran different work; the wait is "
-            "bounded by the process group's timeout (MTrainingStrategy(timeout=...), "
-            "init_process_group(timeout=...))"
+            f"rank {rank}: {what} failed" + (f" ({missing})" if missing else "") + f": {err}. A rank it waits on "
+            "died, stalled or ran different work; the wait is bounded by the process group's timeout "
+            "(MTrainingStrategy(timeout=...), init_process_group(timeout=...))"
         ) from err
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

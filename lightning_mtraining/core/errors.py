@@ -44,6 +44,19 @@ in a collective):
 The processes still end as before (a peer's closed connection, the launchers of Note [No rank outlives a failure]
 in :mod:`lightning_mtraining.strategies.launchers`, torchrun's agent); only what they print changes.
 ``LIGHTNING_MTRAINING_FULL_TRACEBACK=1`` turns this off as well: every rank prints Python's full traceback.
+
+Note [Who did not arrive]
+-------------------------
+A collective that times out or fails says only that it waited; an operator of a large job needs to know which ranks
+it waited for and where they were. Every rank counts the package's collectives as it enters them
+(:func:`entering_collective`, called by :func:`lightning_mtraining.core.collectives.named_failure`: the count, the
+operation's name and the step the strategy last noted, :func:`note_step`: attribute writes, no communication), and its
+:class:`FailureWatch` thread publishes that place in the job's store with a heartbeat when it changed or every
+:data:`HEARTBEAT_S`. When a collective fails, the waiting rank reads every other rank's place
+(:func:`who_did_not_arrive`): a rank whose count is lower had not reached this collective (stalled, in its step or in
+the data; its process last heard from a moment ago, or silent for a while: ended), one at the same count in another
+operation ran different work. The error's message then names them, first, with the operation and step each reached, at most
+:data:`MAX_NAMED` of them; the rest are counted.
 """
 
 from __future__ import annotations
@@ -65,9 +78,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ACK_WAIT_S", "FULL_TRACEBACK_ENV", "FailureWatch", "FirstFailure", "SameOnRanks", "claim_first_failure",
-           "format_failure", "format_first_failure", "group_ranks", "mark_same_on_ranks", "same_on_ranks",
-           "same_on_ranks_of", "told_the_others_first", "watch_failures"]
+__all__ = ["ACK_WAIT_S", "FULL_TRACEBACK_ENV", "HEARTBEAT_S", "MAX_NAMED", "FailureWatch", "FirstFailure", "Place",
+           "SameOnRanks", "claim_first_failure", "entering_collective", "format_failure", "format_first_failure",
+           "group_ranks", "mark_same_on_ranks", "note_step", "same_on_ranks", "same_on_ranks_of",
+           "told_the_others_first", "watch_failures", "who_did_not_arrive"]
 
 FULL_TRACEBACK_ENV = "LIGHTNING_MTRAINING_FULL_TRACEBACK"
 _MARK = "_mtraining_same_on_ranks"
@@ -75,11 +89,51 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARY_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib",
                                                                           "platlib")})
 _ONE_LINE = 120  # characters of the message on a rank that does not report
+_SUMMARY = 240  # characters of the first failure's summary (a failed collective names the ranks it waited for)
 ACK_WAIT_S = 5.0  # how long the first failing rank waits for the others' one line before its report
 _FIRST_KEY = "lightning_mtraining/first_failure"
 _TOLD_KEY = "lightning_mtraining/first_failure/told"
 _MAX_FRAMES = 8  # frames of the user's code in the first failure's report (the innermost ones)
 _MAX_MESSAGE_LINES = 12
+_PLACE_KEY = "lightning_mtraining/place/"  # + global rank: where the rank is (Note [Who did not arrive])
+HEARTBEAT_S = 2.0  # a rank's place is published at least this often while its watch runs
+MAX_NAMED = 8  # ranks named in a failed collective's message (the others counted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a rank is (Note [Who did not arrive]): the number of the package's collectives it has entered
+    (``count``), the last one's name (``op``), the step noted last (``step``, None before any) and when it was
+    published (``time``, the rank's wall clock)."""
+
+    count: int = 0
+    op: str = ""
+    step: int | None = None
+    time: float = 0.0
+
+
+class _Here:
+    """This process's place, updated by the main thread without any communication."""
+
+    count = 0
+    op = ""
+    step: int | None = None
+
+
+def entering_collective(what: str) -> int:
+    """Count the collective ``what`` this rank enters now; returns its number (Note [Who did not arrive])."""
+    _Here.count += 1
+    _Here.op = what
+    return _Here.count
+
+
+def note_step(step: int | None) -> None:
+    """The training step this rank is in (the strategies call it once a batch)."""
+    _Here.step = step
+
+
+def _place_now() -> Place:
+    return Place(_Here.count, _Here.op, _Here.step, time.time())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +237,7 @@ class FirstFailure:
 
 def _summary(exc: BaseException) -> str:
     text = " ".join("".join(traceback.format_exception_only(type(exc), exc)).split())
-    return text if len(text) <= _ONE_LINE else text[:_ONE_LINE - 3] + "..."
+    return text if len(text) <= _SUMMARY else text[:_SUMMARY - 3] + "..."
 
 
 class FailureWatch:
@@ -203,6 +257,7 @@ class FailureWatch:
         self._stop = threading.Event()
         self._told = False
         self._first: FirstFailure | None = None
+        self._published: tuple[int, str, int | None, float] | None = None
         self._thread = threading.Thread(target=self._watch, name="mtraining-failure-watch", daemon=True)
 
     def start(self) -> FailureWatch:
@@ -262,9 +317,33 @@ class FailureWatch:
                 return False
             time.sleep(0.05)
 
+    def publish(self, force: bool = False) -> None:
+        """Put this rank's place in the store when it changed, or its heartbeat is :data:`HEARTBEAT_S` old."""
+        place = _place_now()
+        last = self._published
+        if not force and last is not None and last[:3] == (place.count, place.op, place.step) and \
+                place.time - last[3] < HEARTBEAT_S:
+            return
+        with self._lock:
+            self.store.set(_PLACE_KEY + str(self.rank), json.dumps(dataclasses.asdict(place)))
+        self._published = (place.count, place.op, place.step, place.time)
+
+    def places(self) -> dict[int, Place | None]:
+        """Every other rank's last published place (None: none published)."""
+        found: dict[int, Place | None] = {}
+        with self._lock:
+            for rank in range(self.world_size):
+                if rank == self.rank:
+                    continue
+                key = _PLACE_KEY + str(rank)
+                found[rank] = Place(**json.loads(self.store.get(key))) if self.store.check([key]) else None
+        return found
+
     def _watch(self) -> None:
         try:
+            self.publish(force=True)
             while not self._stop.wait(self.poll_s):
+                self.publish()
                 first = self.first()
                 if first is not None:
                     if first.rank != self.rank:
@@ -295,6 +374,41 @@ def watch_failures(rank: int, world_size: int, store: Any = None) -> FailureWatc
     atexit.register(_WATCH.stop)
     _install_hook()
     return _WATCH
+
+
+def who_did_not_arrive(count: int, op: str) -> str:
+    """The ranks that have not entered this rank's collective number ``count`` (``op``), or entered another one
+    there, in words (Note [Who did not arrive]); "" without a watch, a store, or any such rank."""
+    if _WATCH is None:
+        return ""
+    try:
+        # every rank publishes its place within a poll of entering a collective: wait one, so that a rank that is
+        # merely a poll behind in publishing is not named
+        time.sleep(1.2 * _WATCH.poll_s)
+        places = _WATCH.places()
+    except Exception:  # the store is gone (its host ended)
+        return ""
+    now = time.time()
+    behind, other = [], []
+    for rank, place in sorted(places.items()):
+        if place is None:
+            behind.append(f"rank {rank} (no place published: not started, or ended)")
+            continue
+        age = max(0.0, now - place.time)
+        alive = f"last heard {age:.0f} s ago" if age < 3 * HEARTBEAT_S + 1 else f"silent for {age:.0f} s: ended?"
+        step = f" at step {place.step}" if place.step is not None else ""
+        if place.count < count:
+            last = f"last in collective {place.count}, {place.op}" if place.count else "in no collective yet"
+            behind.append(f"rank {rank} ({last}{step}; {alive})")
+        elif place.count == count and place.op != op:
+            other.append(f"rank {rank} (in {place.op}{step}; {alive})")
+    parts = []
+    for title, ranks in (("did not arrive", behind), ("ran different work", other)):
+        if ranks:
+            shown = ranks[:MAX_NAMED]
+            more = f" and {len(ranks) - len(shown)} more" if len(ranks) > len(shown) else ""
+            parts.append(f"{title}: {', '.join(shown)}{more}")
+    return "; ".join(parts)
 
 
 def told_the_others_first() -> bool:

@@ -24,6 +24,7 @@ from lightning_mtraining.core.errors import (
     claim_first_failure,
     group_ranks,
     mark_same_on_ranks,
+    note_step,
     same_on_ranks,
     watch_failures,
 )
@@ -309,11 +310,20 @@ class ContextParallelMixin:
 
         With one CP rank and no model switched to ring attention, ``batch`` is returned as it is.
         """
+        note_step(self._step_now())  # where this rank is, for a failed collective's report (Note [Who did not arrive])
         if self._cp is None:  # no model prepared (yet): nothing is split with one CP rank
             if self.plan.cp_size == 1:
                 return batch
             raise RuntimeError(f"{type(self).__name__}.shard_batch was called before the model was set up")
         return self._cp.shard(batch)
+
+    def _step_now(self) -> int | None:
+        """The Trainer's global step, or (Fabric) the optimizer steps the attention schedule counted; None unknown."""
+        trainer = getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+        if trainer is not None:
+            return int(trainer.global_step)
+        schedule = self._cp.schedule if self._cp is not None else None
+        return schedule.step if schedule is not None else None
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """``x`` (this rank's shard of the current sequence along ``dim``) whole, in global order, unpadded.

@@ -36,6 +36,7 @@ from helpers.models import make_model
 from lightning_mtraining import MTrainingStrategy
 
 mode, folder = sys.argv[1], sys.argv[2]
+world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 steps = 4 if mode == "rank1_at_step2" else 1
 
 
@@ -54,6 +55,9 @@ class Module(L.LightningModule):
             raise RuntimeError("rank 0 fails")
         if mode == "rank1_at_step2" and self.global_rank == 1 and self.global_step == 2:
             raise RuntimeError("rank 1 fails at step 2")
+        if mode == "rank1_sleeps" and self.global_rank == 1:
+            open(os.path.join(folder, "rank1.pid"), "w").write(str(os.getpid()))
+            time.sleep(600)  # stalls in its step, past the process group's timeout: the others wait for it
         return self.model(**batch).loss
 
     def configure_optimizers(self):
@@ -65,7 +69,10 @@ mask = torch.ones_like(ids)
 if mode == "left_padding":
     mask[:, :3] = 0
 data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(8)]
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MTrainingStrategy(sparsity=None, block_size=16),
+import datetime
+timeout = datetime.timedelta(seconds=8 if mode == "rank1_sleeps" else 1800)
+trainer = L.Trainer(accelerator="cpu", devices=world,
+                    strategy=MTrainingStrategy(sparsity=None, block_size=16, timeout=timeout),
                     max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
 trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
@@ -80,7 +87,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run(tmp_path: Path, mode: str) -> tuple[int | None, str]:
+def _run(tmp_path: Path, mode: str, world: int = 2) -> tuple[int | None, str]:
     """(the job's exit code, or None if it was still running after 300 s; what it printed). Output goes to a file,
     not a pipe: a rank left running would hold a pipe open after the job ended. Ends rank 1 if the job left it."""
     script = tmp_path / "train.py"
@@ -90,7 +97,7 @@ def _run(tmp_path: Path, mode: str) -> tuple[int | None, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     log = tmp_path / "output.txt"
     with open(log, "w") as out:
-        job = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path)], env=env, stdout=out,
+        job = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path), str(world)], env=env, stdout=out,
                                stderr=subprocess.STDOUT)
         try:
             code = job.wait(timeout=300)
@@ -150,3 +157,24 @@ def test_the_first_failure_is_printed_last_once_with_its_rank_and_step(tmp_path)
     assert any("train.py" in line and "in training_step" in line for line in rank1), out  # the user's frame
     assert out.count("rank 1 fails at step 2\n") == 1 and "Traceback (most recent call last)" not in out, out
     assert "lightning/pytorch" not in out and "Connection closed" not in out, out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_stalled_in_its_step_is_named_by_the_rank_that_waited(tmp_path, world):
+    """Rank 1 sleeps in ``training_step`` past the process group's timeout (8 s) while the others wait for it in the
+    ring's first transfer: the report names rank 1 as the rank that did not arrive, with where it was (no collective
+    of this step yet, step 0) (Note [Who did not arrive] in lightning_mtraining.core.errors); in at most 30 lines of
+    the ranks' own output; no process left running."""
+    code, out = _run(tmp_path, "rank1_sleeps", world)
+    left_running = _end_rank1(tmp_path)
+    assert (tmp_path / "rank1.pid").exists(), out
+    assert left_running is None, f"rank 1 (pid {left_running}) outlived the job:\n{out}"
+    assert code == 1, out
+    ranks = [line for line in out.splitlines() if line.startswith("[rank")]
+    assert len(ranks) <= 30, out
+    named = [line for line in ranks if "did not arrive: rank 1 (" in line]
+    assert named, out
+    assert "at step 0" in named[0] and "rank 1 (" in named[0].split("did not arrive: ", 1)[1], out
+    # the stalled rank says in its one line that it was the one waited for
+    assert any(line.startswith("[rank1]: ending: rank ") and "did not arrive: rank 1" in line for line in ranks), out

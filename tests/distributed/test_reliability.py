@@ -1,6 +1,7 @@
 """No silent hangs: a rank that stalls makes the others fail within the process group's timeout, and a rank that is
 killed makes them fail at once, with an error that names the waiting rank and the operation (and, for a ring
-transfer, its peer). Gloo, CPU."""
+transfer, its peer), and, where the job's failure watch runs, the rank that did not arrive with the collective it
+was in (Note [Who did not arrive] in lightning_mtraining.core.errors). Gloo, CPU, 3 ranks."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def _ring_until_failure(rank: int, world_size: int, sparse: bool, timeout_s: flo
     """Every rank runs one ring attention over a group with ``timeout_s``; rank 1 calls ``misbehave()`` instead
     (returning what it returns). The others return (seconds until the ring failed, the error) or "no error"."""
     from lightning_mtraining import SparsityConfig, ring_attention
+    from lightning_mtraining.core.errors import watch_failures
 
+    watch_failures(rank, world_size, store=dist.distributed_c10d._get_default_store())  # as the strategies do
     group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
     g = torch.Generator().manual_seed(rank)
     q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 64, 8, generator=g)
@@ -58,6 +61,32 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_op(sparse
             assert "all-gather" in message and "over a group of 3" in message, message
         else:  # a ring transfer names its peer: rank 0 sends to the stalled rank 1, rank 2 receives from it
             assert "ring attention's" in message and "rank 1" in message, message
+        assert "(did not arrive: rank 1 (in no collective yet; last heard " in message, message
+
+
+def _stray() -> str:
+    from lightning_mtraining.core.collectives import named_failure
+
+    try:  # a collective the others never join: this rank "ran different work"
+        with named_failure("a stray all-reduce"):
+            dist.all_reduce(torch.zeros(1))
+    except RuntimeError:
+        pass
+    return "strayed"
+
+
+def _stray_worker(rank: int, world_size: int, sparse: bool):
+    return _ring_until_failure(rank, world_size, sparse, TIMEOUT_S, _stray)
+
+
+def test_a_rank_in_another_collective_is_named_with_it():
+    """Rank 1 enters a collective of its own while the others enter the estimator's first: at the same count, in
+    another operation, it is named as having run different work, with that operation."""
+    results = run_distributed(_stray_worker, 3, True, timeout=60)
+    assert results[1] == "strayed"
+    for rank in (0, 2):
+        _, message = results[rank]
+        assert "(ran different work: rank 1 (in a stray all-reduce; last heard " in message, message
 
 
 KILL_AFTER_S = 1.0
@@ -114,3 +143,5 @@ def test_a_killed_rank_fails_the_others_at_once_naming_the_op(sparse):
             assert "over a group of 3" in message, message
         else:
             assert "ring attention's" in message, message
+        # (in the dense ring the other survivor may be named too: it waits at an earlier transfer, for rank 1 as well)
+        assert "did not arrive: " in message and "rank 1 (in no collective yet; " in message, message

@@ -291,3 +291,52 @@ def test_a_told_rank_prints_one_line_then_nothing():
     assert run.stdout == "" and run.stderr == (
         "[rank0]: ending: rank 1 failed first at step 2 (RuntimeError: rank 1 fails at step 2)\n"), run
     assert server.add("lightning_mtraining/first_failure/told", 0) == 1  # it acknowledged
+
+
+def test_a_failed_collective_names_the_ranks_that_did_not_arrive(monkeypatch):
+    """Note [Who did not arrive]: each rank's watch publishes the collectives it entered; the rank whose collective
+    fails names those with a lower count (with their last collective and step, and how long ago they were heard) and
+    those at the same count in another operation, at most MAX_NAMED of each kind."""
+    import json
+    import time
+
+    import lightning_mtraining.core.errors as errors
+    from lightning_mtraining.core.errors import MAX_NAMED, FailureWatch, Place, who_did_not_arrive
+
+    server, client = _store()
+    world = MAX_NAMED + 5
+    me = FailureWatch(client(), 0, world, poll_s=0.01)
+    monkeypatch.setattr(errors, "_WATCH", me)
+    now = time.time()
+    places = {1: Place(4, "the probe queries' all-reduce (1, 4, 64, 16)", 3, now),  # arrived
+              2: Place(3, "the slash partials' reduce-scatter", 3, now - 1),  # behind, heard 1 s ago
+              3: Place(0, "", None, now - 60),  # started, silent since: ended?
+              4: Place(4, "a stray all-reduce", 3, now)}  # the same count, another op
+    for rank, place in places.items():
+        me.store.set(f"lightning_mtraining/place/{rank}", json.dumps(place.__dict__))
+    for rank in range(5, world):  # more ranks behind than are named
+        me.store.set(f"lightning_mtraining/place/{rank}", json.dumps(Place(2, "x", 3, now).__dict__))
+    text = who_did_not_arrive(4, "the probe queries' all-reduce (1, 4, 64, 16)")
+    behind, other = text.split("; ran different work: ")
+    assert behind.startswith("did not arrive: rank 2 (last in collective 3, the slash partials' reduce-scatter at "
+                             "step 3; last heard 1 s ago), rank 3 (in no collective yet; silent for 60 s: ended?)")
+    assert "rank 1 " not in text  # it arrived
+    assert behind.count("rank ") == MAX_NAMED and behind.endswith(f"and {2 + (world - 5) - MAX_NAMED} more")
+    assert other == "rank 4 (in a stray all-reduce at step 3; last heard 0 s ago)"
+    monkeypatch.setattr(errors, "_WATCH", None)
+    assert who_did_not_arrive(4, "x") == ""  # no watch (one process, or no store): nothing to add
+
+
+def test_entering_a_collective_counts_it_and_the_watch_publishes_the_place():
+    import json
+
+    from lightning_mtraining.core.errors import FailureWatch, entering_collective, note_step
+
+    server, client = _store()
+    watch = FailureWatch(client(), 1, 2)
+    note_step(7)
+    count = entering_collective("the ring's first transfer")
+    watch.publish()
+    got = json.loads(watch.store.get("lightning_mtraining/place/1"))
+    assert (got["count"], got["op"], got["step"]) == (count, "the ring's first transfer", 7)
+    assert entering_collective("next") == count + 1
