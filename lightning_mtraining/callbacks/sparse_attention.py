@@ -89,6 +89,8 @@ class SparseAttentionCallback(Callback):
         self.recall_rows = recall_rows
         self.prog_bar = prog_bar
         self._step_at_start: int | None = None
+        self._schedule: Any = None  # the strategy's attention schedule, once it exists (its state is checkpointed)
+        self._restored: list[Any] | None = None  # the checkpoint's schedule states, until the schedule exists
         self._density: Any = None
         self._recall: Any = None
         self._overall: Any = None
@@ -131,10 +133,49 @@ class SparseAttentionCallback(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # Runs after configure_model and strategy.setup: the model exists now.
         self.check_layers(pl_module)
+        self._schedule = getattr(trainer.strategy, "attention_schedule", None)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's schedule state (the last forward's dense decisions per layer and batch row, which the next
+        forward runs: Note [The straight path] in :mod:`lightning_mtraining.ring.straight`), by global rank, so that
+        a resumed run's first forward runs what the uninterrupted one's would. Every rank calls it when a checkpoint
+        is saved (an all-gather of the few bytes over the world)."""
+        schedule = self._schedule
+        mine = schedule.state_dict() if schedule is not None else None
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        return {"schedules": every}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("schedules")
+
+    def _restore(self, trainer: Any) -> None:
+        """Give the schedule this rank's saved state (same world size: a resume at another layout starts with no
+        decisions, its first forward running every head's pattern)."""
+        saved, self._restored = self._restored, None
+        schedule = getattr(trainer.strategy, "attention_schedule", None)
+        if not saved or schedule is None:
+            return
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if len(saved) == world and saved[rank] is not None:
+            schedule.load_state_dict(saved[rank])
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._restored is not None:  # a checkpoint's schedule state, now that the schedule exists
+            self._restore(trainer)
         schedule = getattr(trainer.strategy, "attention_schedule", None)
+        self._schedule = schedule
         self._step_at_start = trainer.global_step
         if schedule is not None:  # the warm-up and the measuring cadence follow the Trainer's optimizer steps
             schedule.set_step(trainer.global_step)

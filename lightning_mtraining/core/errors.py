@@ -55,8 +55,8 @@ operation's name and the step the strategy last noted, :func:`note_step`: attrib
 :data:`HEARTBEAT_S`. When a collective fails, the waiting rank reads every other rank's place
 (:func:`who_did_not_arrive`): a rank whose count is lower had not reached this collective (stalled, in its step or in
 the data; its process last heard from a moment ago, or silent for a while: ended), one at the same count in another
-operation ran different work. The error's message then names them, first, with the operation and step each reached, at most
-:data:`MAX_NAMED` of them; the rest are counted.
+operation ran different work. The error's message then names them, first, with the operation and step each reached,
+at most :data:`MAX_NAMED` of them; the rest are counted.
 """
 
 from __future__ import annotations

@@ -222,9 +222,7 @@ def _straight_run(module, cfg: RingAttentionConfig, query, key, scaling,
     straight = _straight_plan(cfg, query, key, lengths)
 
     def make() -> LayerRun:
-        heads = schedule.dense_heads(layer_idx)
-        made = straight.layer(query, key, config, layer_idx, scaling,
-                              None if heads is None else tuple(heads for _ in range(B)))
+        made = straight.layer(query, key, config, layer_idx, scaling, schedule.dense_heads(layer_idx, B))
         if made.estimate.decided is not None and layer_idx is not None:
             schedule.note_decision(layer_idx, made.estimate.decided)
         return made

@@ -17,8 +17,9 @@ and its checkpointed recompute reuses the forward's :class:`LayerRun` (pattern a
 again. Nothing in a layer reads a device value on the host, so its launches never wait for the GPU:
 
 - which heads run dense is the *previous* forward's decision of the layer (``dense``: per batch row, the pattern heads
-  whose estimated pattern allowed more than ``dense_above`` of their causal pairs); this forward's decision is made on
-  the device and read once, after the forward, for the next one. A head running dense computes every causal pair
+  whose estimated pattern allowed more than ``dense_above`` of their causal pairs in that row; per row, so a batch
+  split over data-parallel ranks decides as it would on one device); this forward's decision is made on the device
+  and read once, after the forward, for the next one. A head running dense computes every causal pair
   (the pattern with its every tile diagonal, exact); a layer whose every head runs dense takes the dense ring (the
   machine's fused dense kernel at one rank).
 - over several ranks every ring step runs (a step whose lists are empty computes nothing in its kernels), and the

@@ -96,7 +96,7 @@ class AttentionSchedule:
         # on the device, their copy to the host, and each layer's pattern heads that run dense in the next forward
         self._decisions: dict[int, torch.Tensor] = {}
         self._decisions_host: tuple[list[int], list[tuple[int, ...]], torch.Tensor, Any] | None = None
-        self._dense_heads: dict[int, tuple[bool, ...]] = {}
+        self._dense_heads: dict[int, tuple[tuple[bool, ...], ...]] = {}  # per layer: [batch row][pattern head]
         self._measuring = False
         self._recall = False
         self._stats: dict[int, LayerStats] = {}
@@ -177,7 +177,7 @@ class AttentionSchedule:
 
     def _read_decisions(self) -> None:
         """The last forward's decisions, on the host: each layer's pattern heads that run dense from now on (a head
-        decided dense in any batch row)."""
+        decided dense, per batch row)."""
         self.end_forward()  # a forward the model hook did not see end
         if self._decisions_host is None:
             return
@@ -187,15 +187,19 @@ class AttentionSchedule:
             event.synchronize()
         flat, start = host.tolist(), 0
         for layer, (rows, heads) in zip(layers, shapes):
-            decided = [any(flat[start + b * heads + g] for b in range(rows)) for g in range(heads)]
+            self._dense_heads[layer] = tuple(tuple(bool(flat[start + b * heads + g]) for g in range(heads))
+                                             for b in range(rows))
             start += rows * heads
-            self._dense_heads[layer] = tuple(decided)
 
-    def dense_heads(self, layer_idx: int | None) -> tuple[bool, ...] | None:
-        """The pattern heads of the layer that run dense in this forward: those the layer's last forward decided
-        dense (Note [The straight path] in :mod:`lightning_mtraining.ring.straight`); None when none does."""
+    def dense_heads(self, layer_idx: int | None, batch: int) -> tuple[tuple[bool, ...], ...] | None:
+        """Per batch row, the pattern heads of the layer that run dense in this forward: those the layer's last
+        forward decided dense in that row (Note [The straight path] in :mod:`lightning_mtraining.ring.straight`;
+        per row, so a batch split over data-parallel ranks decides as it would whole); None when none does, or the
+        last forward had another number of rows."""
         found = self._dense_heads.get(layer_idx) if layer_idx is not None else None
-        return found if found is not None and any(found) else None
+        if found is None or len(found) != batch or not any(any(row) for row in found):
+            return None
+        return found
 
     # --- measurements -----------------------------------------------------------------------------------------
 
@@ -319,7 +323,15 @@ class AttentionSchedule:
         return dict(self._stats)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        """The step and each layer's dense heads per batch row (the last forward's decisions, which the next forward
+        runs: a run resumed with them runs what the uninterrupted one would)."""
+        self._read_decisions()
+        return {"step": self.step,
+                "dense_heads": {layer: [list(row) for row in rows] for layer, rows in self._dense_heads.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state.get("step", 0))
+        self._decisions.clear()
+        self._decisions_host = None
+        self._dense_heads = {int(layer): tuple(tuple(bool(x) for x in row) for row in rows)
+                             for layer, rows in state.get("dense_heads", {}).items()}

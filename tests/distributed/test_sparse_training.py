@@ -231,3 +231,56 @@ def test_a_sparse_run_at_a_dense_runs_cost_says_so_once():
     density = strategy.attention_metrics()["attention/density"]
     assert density < DENSE_LIKE_DENSITY, density  # the budget really is small at this length
     assert not [m for m in collect.messages if "MTraining sparse attention kept" in m]
+
+
+def _resume_worker(rank, world_size, ckpt_dir):
+    """Four steps at once; two steps then a checkpoint, resumed for two more; and the same resume with the schedule's
+    state dropped from the checkpoint. Heads above ``dense_above`` (0.5: most of them at so short a sequence) run
+    dense from the forward after the one that decided it."""
+    import os
+
+    import lightning as L
+
+    from lightning_mtraining import SparseAttentionCallback, SparsityConfig
+    from lightning_mtraining.strategies.trainer import MTrainingStrategy
+
+    elastic_env(rank, world_size, world_size)
+    quiet()
+    data = make_samples(2, 100) * 4  # every batch the same: a resumed epoch that starts its loader over sees it too
+
+    def run(steps, ckpt_in=None, ckpt_out=None, drop_state=False):
+        torch.manual_seed(0)
+        module = lightning_module_class()("qwen2")
+        strategy = MTrainingStrategy(block_size=16, sparsity=SparsityConfig(**{**CFG, "dense_above": 0.5}))
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[SparseAttentionCallback(log_every_n_steps=1)], use_distributed_sampler=False)
+        if ckpt_in is not None and drop_state:
+            state = torch.load(ckpt_in, weights_only=False)
+            state["callbacks"] = {k: v for k, v in state["callbacks"].items() if "SparseAttention" not in k}
+            ckpt_in = ckpt_in + ".dropped"
+            if rank == 0:
+                torch.save(state, ckpt_in)
+            torch.distributed.barrier()
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2), ckpt_path=ckpt_in)
+        if ckpt_out is not None:
+            trainer.save_checkpoint(ckpt_out)
+        dense = strategy.attention_schedule._dense_heads
+        return [loss for _, loss in module.records], dense
+
+    whole, _ = run(4)
+    path = os.path.join(ckpt_dir, "two.ckpt")
+    _, decided = run(2, ckpt_out=path)
+    resumed, _ = run(4, ckpt_in=path)
+    forgot, _ = run(4, ckpt_in=path, drop_state=True)
+    return whole, resumed, forgot, decided
+
+
+def test_a_resumed_run_runs_the_dense_heads_the_checkpointed_forward_decided(tmp_path):
+    """The checkpoint carries each rank's last dense decisions (SparseAttentionCallback's state), so the resumed run's
+    first forward runs what the uninterrupted run's third did: its losses equal that run's third and fourth. Without
+    that state the resumed run's first forward runs every head's pattern, and its loss differs."""
+    for whole, resumed, forgot, decided in run_distributed(_resume_worker, 2, str(tmp_path), timeout=600):
+        assert any(any(any(row) for row in rows) for rows in decided.values()), decided  # some heads went dense
+        assert len(resumed) == 2 and all(abs(a - b) < 2e-5 for a, b in zip(resumed, whole[2:])), (resumed, whole)
+        assert abs(forgot[0] - whole[2]) > 1e-4, (forgot, whole)

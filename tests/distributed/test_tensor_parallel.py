@@ -40,9 +40,11 @@ def sparsity():
     from lightning_mtraining import SparsityConfig
 
     # per-KV-head budgets that differ, so each tp rank must take its own (4 query heads, 2 KV groups, tp 2: one
-    # each); sparse enough that the first loss moves by 0.03 from dense
+    # each); sparse enough that the first loss moves by 0.03 from dense. No dense fallback: a forward's dense heads
+    # are the decision of the one before (per batch row), which the one-device reference's separate forwards per
+    # DP rank would not reproduce, nor a plain loop's checkpoint (model and optimizer) carry
     return SparsityConfig(vertical_topk=(4, 2), slash_topk=(1, 0), last_q=8, sink_tokens=2, local_window=1,
-                          tile_size=16, pattern_heads="kv")
+                          tile_size=16, pattern_heads="kv", dense_above=None)
 
 
 def make_optimizer(model):

@@ -261,7 +261,8 @@ def _run_checks() -> dict[str, str]:
         if dense_first:  # keep one head sparse, so the layer runs mixed: the sparse kernels with full tiles
             schedule = layer.cp.schedule
             schedule._read_decisions()
-            schedule._dense_heads[0] = (True,) + (False,) * (len(schedule._dense_heads[0]) - 1)
+            heads = len(schedule._dense_heads[0][0])
+            schedule._dense_heads[0] = ((True,) + (False,) * (heads - 1),)
         with count_ops() as counts:
             ops.layer_step(layer, counts, seed=1)
         run = layer.cp.schedule._patterns[0]
