@@ -61,25 +61,29 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     bf16 = lambda x: float(torch.tensor(x, dtype=torch.bfloat16))  # noqa: E731
     thr = next((t for t in exact_dense if not bf16(a) > bf16(t * c)), exact_dense[0])
 
+    def step(model, handle) -> None:
+        """A training step whose forward runs under a bf16 default dtype and whose recompute under float32."""
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
+        finally:
+            torch.set_default_dtype(torch.float32)
+        loss.backward()  # the checkpointed layers recompute here, under float32
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
     if straight:
         model, handle = prepared(dataclasses.replace(cfg, dense_above=thr))
         if not measure:
             handle.schedule.log_every_n_steps = 0
         records = []
         for _ in range(2):
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
-            finally:
-                torch.set_default_dtype(torch.float32)
-            loss.backward()  # the checkpointed layers recompute here, under float32
-            assert torch.isfinite(loss)
+            step(model, handle)
             records.append(handle.schedule._patterns[0])
         first, second = records
         assert bool(first.estimate.decided[0, 0])  # decided on the device, in float64: exact at the threshold
         assert first.estimate.dense is None and second.estimate.dense[0][0]  # the next forward runs it dense
         assert handle.schedule.estimations == 2 * model.config.num_hidden_layers  # the recomputes reused the records
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
         return second
 
     decisions = []
@@ -93,14 +97,7 @@ def checkpointed_step_at_threshold(family: str, device: torch.device, monkeypatc
     model, handle = prepared(dataclasses.replace(cfg, dense_above=thr))
     if not measure:
         handle.schedule.log_every_n_steps = 0
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
-    finally:
-        torch.set_default_dtype(torch.float32)
-    loss.backward()  # the checkpointed layers recompute here, under float32
-    assert torch.isfinite(loss)
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    step(model, handle)
     assert len(decisions) == model.config.num_hidden_layers  # the recompute reused the forward's record
     record = handle.schedule._patterns[0]
     assert record.dense[0, 0]  # head 0 ran dense, in the forward and the recompute alike

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,3 +36,29 @@ def run_interpreter_checks(path: str, timeout: float) -> dict[str, str]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert lines, f"interpreter checks crashed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def collect(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
+    """Run every check; ``{name: "ok" or the end of its traceback}`` (each check reports its own failure)."""
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - every check reports its own failure
+            results[name] = traceback.format_exc()[-3000:]
+    return results
+
+
+def script_main(run_checks: Callable[[], dict[str, str]]) -> None:
+    """A check file run as a script (``TRITON_INTERPRET=1 python tests/unit/test_x.py [--json]``): the verdicts, as a
+    ``RESULTS {...}`` line for :func:`run_interpreter_checks` with ``--json``; exit status 1 if one failed."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    res = run_checks()
+    if "--json" in sys.argv:
+        print("RESULTS " + json.dumps(res))
+    else:
+        for k_, v_ in res.items():
+            print(k_, v_ if v_ != "ok" else "ok")
+    sys.exit(0 if all(r == "ok" for r in res.values()) else 1)

@@ -22,7 +22,6 @@ to see them: ``TRITON_INTERPRET=1 python tests/unit/test_probe_scores.py``. The 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -118,7 +117,6 @@ def _estimate_worker(rank, w, interpret_shim):
 
 
 def _run_checks() -> dict[str, str]:
-    import traceback
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers.interpreter import shim_interpreter
@@ -188,14 +186,9 @@ def _run_checks() -> dict[str, str]:
         "estimate_pattern_triton_equals_torch_w3_gloo": w3,
         "layouts_without_runs_fall_back_to_torch": no_runs,
     })
-    results = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - every check reports its own failure
-            results[name] = traceback.format_exc()[-3000:]
-    return results
+    from helpers.interpreter import collect
+
+    return collect(checks)
 
 
 @pytest.mark.gpu
@@ -238,12 +231,6 @@ def test_gpu_triton_scorer_matches_torch_scorer_at_32k(pattern_heads):
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
-    res = _run_checks()
-    if "--json" in sys.argv:
-        print("RESULTS " + json.dumps(res))
-    else:
-        for k_, v_ in res.items():
-            print(k_, v_ if v_ != "ok" else "ok")
-    sys.exit(0 if all(r == "ok" for r in res.values()) else 1)
+    from helpers.interpreter import script_main
+
+    script_main(_run_checks)

@@ -29,7 +29,6 @@ to see them: ``TRITON_INTERPRET=1 python tests/unit/test_straight_path.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -144,7 +143,6 @@ def _canon(idx):
 
 
 def _run_checks() -> dict[str, str]:
-    import traceback
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers.interpreter import shim_interpreter
@@ -286,24 +284,13 @@ def _run_checks() -> dict[str, str]:
         "op_count_independent_of_length": independent_of_length,
         "op_count_per_ring_step_gloo": per_ring_step,
     }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - every check reports its own failure
-            results[name] = traceback.format_exc()[-3000:]
-    return results
+    from helpers.interpreter import collect
+
+    return collect(checks)
 
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
-    res = _run_checks()
-    if "--json" in sys.argv:
-        print("RESULTS " + json.dumps(res))
-    else:
-        for k_, v_ in res.items():
-            print(k_, v_ if v_ != "ok" else "ok")
-    sys.exit(0 if all(r == "ok" for r in res.values()) else 1)
+    from helpers.interpreter import script_main
+
+    script_main(_run_checks)
