@@ -34,6 +34,14 @@ recompiles per length). Compiled vs eager on one GPU, dense and sparse::
     python benchmarks/train_throughput.py --variants sdpa mtraining_dense sparse_topk --seqlens 32768 65536 \
         --compile both --warmup 2 --steps 3 --out runs/train_throughput_compile.json
 
+``--paths straight general``: the sparse variants on the straight per-layer path (the default, Note [The straight
+path] in ``lightning_mtraining.ring.straight``) and on the general path (what packed documents and soft-capped layers
+take), each in its own process of the same call (rows labelled ``general`` for the latter). ``--count-ops``: one more
+step under ``lightning_mtraining.core.op_count`` (eager rows): ATen ops, launches and host reads per step
+(``ops_per_step``, ``launches_per_step``, ``host_reads_per_step``, the largest emitters in ``top_ops``). Every eager
+mtraining row also reports ``host_attention_ms_per_layer``: the host's time inside the attention function (forward and
+checkpointed recompute) per decoder layer and step, the median over the timed steps.
+
 ``--deterministic``: ``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``): what bit-identical
 reruns cost (``tests/gpu/test_determinism_gpu.py``). ``--nonfinite-check off``: the mtraining variants without the
 strategy's non-finite loss guard (what the guard costs).
