@@ -108,18 +108,13 @@ def _killed_worker(rank: int, world_size: int, sparse: bool):
 def test_a_killed_rank_fails_the_others_at_once_naming_the_op(sparse):
     """A rank killed mid-step (SIGKILL) makes the others fail at once (its sockets close), well before the group's
     60 s timeout, with an error naming the waiting rank and the operation."""
-    import multiprocessing as mp
     import queue as queue_lib
 
-    from helpers.dist import _worker, free_port
+    from helpers.dist import context, free_port, start_ranks
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(_killed_worker, r, 3, port, 60, results, (sparse,), {}), daemon=True)
-             for r in range(3)]
-    for p in procs:
-        p.start()
+    procs = start_ranks(ctx, _killed_worker, 3, free_port(), 60, results, (sparse,))
     got = {}
     try:
         for _ in range(2):
