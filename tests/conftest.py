@@ -56,3 +56,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """The Triton-interpreter check files run in subprocesses of their own (``helpers.interpreter``): when the session
+    holds other tests too, start them now, at the lowest priority, so they run beside the rest instead of after it."""
+    from helpers.interpreter import start_interpreter_checks
+
+    paths = {str(item.path) for item in session.items if "interpreter_results" in getattr(item, "fixturenames", ())}
+    if paths and any(str(item.path) not in paths for item in session.items):
+        for path in sorted(paths):
+            start_interpreter_checks(path, background=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from helpers.interpreter import stop_interpreter_checks
+
+    stop_interpreter_checks()
