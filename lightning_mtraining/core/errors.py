@@ -56,6 +56,7 @@ operation's name and the step the strategy last noted, :func:`note_step`: attrib
 (:func:`who_did_not_arrive`): a rank whose count is lower had not reached this collective (stalled, in its step or in
 the data; its process last heard from a moment ago, or silent for a while: ended), one at the same count in another
 operation ran different work. The error's message then names them, first, with the operation and step each reached,
+the furthest behind first (a rank blocked in a transfer to a stalled peer is behind too, but less far than the peer),
 at most :data:`MAX_NAMED` of them; the rest are counted.
 """
 
@@ -389,21 +390,22 @@ def who_did_not_arrive(count: int, op: str) -> str:
     except Exception:  # the store is gone (its host ended)
         return ""
     now = time.time()
-    behind, other = [], []
+    behind: list[tuple[int, int, str]] = []  # (count, rank, words): sorted, the furthest behind first
+    other = []
     for rank, place in sorted(places.items()):
         if place is None:
-            behind.append(f"rank {rank} (no place published: not started, or ended)")
+            behind.append((-1, rank, f"rank {rank} (no place published: not started, or ended)"))
             continue
         age = max(0.0, now - place.time)
         alive = f"last heard {age:.0f} s ago" if age < 3 * HEARTBEAT_S + 1 else f"silent for {age:.0f} s: ended?"
         step = f" at step {place.step}" if place.step is not None else ""
         if place.count < count:
             last = f"last in collective {place.count}, {place.op}" if place.count else "in no collective yet"
-            behind.append(f"rank {rank} ({last}{step}; {alive})")
+            behind.append((place.count, rank, f"rank {rank} ({last}{step}; {alive})"))
         elif place.count == count and place.op != op:
             other.append(f"rank {rank} (in {place.op}{step}; {alive})")
     parts = []
-    for title, ranks in (("did not arrive", behind), ("ran different work", other)):
+    for title, ranks in (("did not arrive", [words for *_, words in sorted(behind)]), ("ran different work", other)):
         if ranks:
             shown = ranks[:MAX_NAMED]
             more = f" and {len(ranks) - len(shown)} more" if len(ranks) > len(shown) else ""

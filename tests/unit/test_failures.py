@@ -295,8 +295,8 @@ def test_a_told_rank_prints_one_line_then_nothing():
 
 def test_a_failed_collective_names_the_ranks_that_did_not_arrive(monkeypatch):
     """Note [Who did not arrive]: each rank's watch publishes the collectives it entered; the rank whose collective
-    fails names those with a lower count (with their last collective and step, and how long ago they were heard) and
-    those at the same count in another operation, at most MAX_NAMED of each kind."""
+    fails names those with a lower count (with their last collective and step, and how long ago they were heard), the
+    furthest behind first, and those at the same count in another operation, at most MAX_NAMED of each kind."""
     import json
     import time
 
@@ -304,23 +304,30 @@ def test_a_failed_collective_names_the_ranks_that_did_not_arrive(monkeypatch):
     from lightning_mtraining.core.errors import MAX_NAMED, FailureWatch, Place, who_did_not_arrive
 
     server, client = _store()
-    world = MAX_NAMED + 5
-    me = FailureWatch(client(), 0, world, poll_s=0.01)
-    monkeypatch.setattr(errors, "_WATCH", me)
+    store = client()
     now = time.time()
     places = {1: Place(4, "the probe queries' all-reduce (1, 4, 64, 16)", 3, now),  # arrived
               2: Place(3, "the slash partials' reduce-scatter", 3, now - 1),  # behind, heard 1 s ago
               3: Place(0, "", None, now - 60),  # started, silent since: ended?
               4: Place(4, "a stray all-reduce", 3, now)}  # the same count, another op
     for rank, place in places.items():
-        me.store.set(f"lightning_mtraining/place/{rank}", json.dumps(place.__dict__))
-    for rank in range(5, world):  # more ranks behind than are named
-        me.store.set(f"lightning_mtraining/place/{rank}", json.dumps(Place(2, "x", 3, now).__dict__))
+        store.set(f"lightning_mtraining/place/{rank}", json.dumps(place.__dict__))
+    monkeypatch.setattr(errors, "_WATCH", FailureWatch(store, 0, 5, poll_s=0.01))
+    text = who_did_not_arrive(4, "the probe queries' all-reduce (1, 4, 64, 16)")
+    # the furthest behind first: rank 3 (no collective) before rank 2 (one collective short)
+    assert text == ("did not arrive: rank 3 (in no collective yet; silent for 60 s: ended?), rank 2 (last in "
+                    "collective 3, the slash partials' reduce-scatter at step 3; last heard 1 s ago); ran different "
+                    "work: rank 4 (in a stray all-reduce at step 3; last heard 0 s ago)"), text
+    # more ranks behind than are named: the furthest behind are named, the rest counted
+    world = MAX_NAMED + 5
+    for rank in range(5, world):
+        store.set(f"lightning_mtraining/place/{rank}", json.dumps(Place(2, "x", 3, now).__dict__))
+    monkeypatch.setattr(errors, "_WATCH", FailureWatch(store, 0, world, poll_s=0.01))
     text = who_did_not_arrive(4, "the probe queries' all-reduce (1, 4, 64, 16)")
     behind, other = text.split("; ran different work: ")
-    assert behind.startswith("did not arrive: rank 2 (last in collective 3, the slash partials' reduce-scatter at "
-                             "step 3; last heard 1 s ago), rank 3 (in no collective yet; silent for 60 s: ended?)")
-    assert "rank 1 " not in text  # it arrived
+    assert behind.startswith("did not arrive: rank 3 (in no collective yet; silent for 60 s: ended?), rank 5 (last in "
+                             "collective 2, x at step 3; last heard 0 s ago), rank 6 ("), behind
+    assert "rank 1 " not in behind and "rank 2 " not in behind  # arrived; the least behind, not among the first named
     assert behind.count("rank ") == MAX_NAMED and behind.endswith(f"and {2 + (world - 5) - MAX_NAMED} more")
     assert other == "rank 4 (in a stray all-reduce at step 3; last heard 0 s ago)"
     monkeypatch.setattr(errors, "_WATCH", None)
