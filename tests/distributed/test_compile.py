@@ -279,7 +279,7 @@ def test_compile_option_compiles_each_decoder_layer():
             handle = apply_context_parallel(model, None, block_size=16, sparsity=SparsityConfig(**_TOPK))
         loss = model(**handle.shard({"input_ids": x, "labels": x})).loss
         loss.backward()
-        results.append((float(loss), {n: p.grad for n, p in model.named_parameters()}))
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
     (want, want_grads), (got, grads) = results
     # float32, AOTAutograd runs the same aten ops as eager (no fusion): differences are the decomposition's rounding
     assert abs(got - want) < 1e-5, (got, want)

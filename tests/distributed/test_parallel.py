@@ -30,7 +30,7 @@ def reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     for s in range(STEPS):
         per = [model(input_ids=x, labels=x).loss for x in data[s * dp:(s + 1) * dp]]
-        losses.append([float(x) for x in per])
+        losses.append([x.item() for x in per])
         torch.stack(per).mean().backward()
         opt.step()
         opt.zero_grad()
