@@ -63,6 +63,8 @@ def pytest_collection_finish(session):
     holds other tests too, start them now, at the lowest priority, so they run beside the rest instead of after it."""
     from helpers.interpreter import start_interpreter_checks
 
+    if session.config.option.collectonly:
+        return
     paths = {str(item.path) for item in session.items if "interpreter_results" in getattr(item, "fixturenames", ())}
     if paths and any(str(item.path) not in paths for item in session.items):
         for path in sorted(paths):

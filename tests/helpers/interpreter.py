@@ -37,7 +37,7 @@ _STARTED: dict[str, tuple[subprocess.Popen, Any, Any]] = {}
 def start_interpreter_checks(path: str, background: bool = False) -> None:
     """Start ``python path --json`` under the interpreter unless it already runs. ``background``: at the lowest CPU
     priority, for a session that starts the check files at its beginning (``conftest.py``) so that they use the CPU
-    time the multi-process tests leave idle, without slowing those tests (whose ranks wait on one another)."""
+    time the multi-process tests leave idle, slowing those tests as little as the scheduler allows."""
     path = os.path.realpath(path)
     if path in _STARTED:
         return
@@ -45,7 +45,7 @@ def start_interpreter_checks(path: str, background: bool = False) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path_var}
     out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")  # files: no pipe fills up
     proc = subprocess.Popen([sys.executable, path, "--json"], env=env, stdout=out, stderr=err, text=True,
-                            preexec_fn=(lambda: os.nice(19)) if background else None)
+                            preexec_fn=(lambda: os.nice(19)) if background and hasattr(os, "nice") else None)
     _STARTED[path] = (proc, out, err)
 
 
@@ -80,7 +80,8 @@ def run_interpreter_checks(path: str, timeout: float) -> dict[str, str]:
 
 
 def collect(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
-    """Run every check; ``{name: "ok" or the end of its traceback}`` (each check reports its own failure)."""
+    """Run every check; ``{name: "ok" or the end of its traceback}`` (each check reports its own failure). With
+    ``MTRAINING_CHECK_TIMES=1`` each check's time goes to stderr."""
     results = {}
     for name, fn in checks.items():
         start = time.perf_counter()
